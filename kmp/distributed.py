@@ -465,9 +465,9 @@ def grouped_allreduce(
             tf.cast(t, tf.float16) if comp == "fp16" and t.dtype.is_floating else t for t in dense
         ]
         if comp == "fp16" and op == "average":
-            out = hvd.grouped_allreduce(sent, op=hvd.Sum, prescale_factor=1.0 / n)
+            out = _grouped_by_dtype(hvd, sent, op=hvd.Sum, prescale_factor=1.0 / n)
         else:
-            out = hvd.grouped_allreduce(sent, op=_hvd_op(hvd, op))
+            out = _grouped_by_dtype(hvd, sent, op=_hvd_op(hvd, op))
         reduced = [
             o if o.dtype == t.dtype else tf.cast(o, t.dtype)
             for o, t in zip(out, dense, strict=True)
@@ -476,6 +476,19 @@ def grouped_allreduce(
     for i, r in zip(idx, reduced, strict=True):
         result[i] = r
     return result
+
+
+def _grouped_by_dtype(hvd: ModuleType, tensors: list[Any], **kwargs: Any) -> list[Any]:
+    """One fused Horovod allreduce per dtype (a grouped op takes a single dtype)."""
+    by_dtype: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[Any] = [None] * len(tensors)
+    for positions in by_dtype.values():
+        reduced = hvd.grouped_allreduce([tensors[i] for i in positions], **kwargs)
+        for i, r in zip(positions, reduced, strict=True):
+            out[i] = r
+    return out
 
 
 def _bf16_allgather_reduce(hvd: ModuleType, dense: list[Any], op: str, n: int) -> list[Any]:
@@ -502,7 +515,7 @@ def _bf16_allgather_reduce(hvd: ModuleType, dense: list[Any], op: str, n: int) -
             red = tf.reshape(reducer(values, axis=0), tf.shape(dense[i]))
             out[i] = tf.cast(red, dense[i].dtype)
     if others:
-        rest = hvd.grouped_allreduce([dense[i] for i in others], op=_hvd_op(hvd, op))
+        rest = _grouped_by_dtype(hvd, [dense[i] for i in others], op=_hvd_op(hvd, op))
         for i, r in zip(others, rest, strict=True):
             out[i] = r
     return out

@@ -1,0 +1,63 @@
+"""Worker: kmp.distributed collectives on real ranks (started by tests/test_distributed.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+from _common import write_result
+
+import kmp.distributed as dist
+
+
+def main() -> None:
+    world = dist.init()
+    assert dist.init() is world  # idempotent
+    import keras
+    import tensorflow as tf
+
+    r = dist.rank()
+    out: dict = {
+        "world": [world.rank, world.size, world.local_rank, world.local_size, world.horovod],
+        "is_chief": dist.is_chief(),
+        "uses_horovod": dist.uses_horovod(),
+    }
+    x = tf.constant([1.0 + r, 10.0 * (r + 1)])
+    for op in ("average", "sum", "min", "max", "product"):
+        out[op] = dist.allreduce(x, op=op).numpy().tolist()
+    # Grouped, mixed dtypes, a None passed through, sparse densified.
+    sparse = tf.IndexedSlices(tf.constant([[1.0 * (r + 1)]]), tf.constant([r]), tf.constant([2, 1]))
+    grouped = dist.grouped_allreduce(
+        [tf.fill([3], float(r)), None, tf.constant([r + 1], tf.int32), sparse], op="sum"
+    )
+    out["grouped"] = [None if g is None else np.asarray(g).tolist() for g in grouped]
+    out["grouped_dtypes"] = [None if g is None else g.dtype.name for g in grouped]
+    # Compression: values exactly representable in 8 mantissa bits survive both paths.
+    y = tf.constant([0.5 + r, -2.0 * (r + 1), 3.0], tf.float32)
+    for comp in ("fp16", "bf16"):
+        red = dist.allreduce(y, op="average", compression=comp)
+        out[f"avg_{comp}"] = red.numpy().tolist()
+        out[f"avg_{comp}_dtype"] = red.dtype.name
+        out[f"max_{comp}"] = dist.allreduce(y, op="max", compression=comp).numpy().tolist()
+    out["allgather"] = dist.allgather(tf.constant([float(r), float(r) + 0.5])).numpy().tolist()
+    out["allgather_scalar"] = dist.allgather(tf.constant(float(r))).numpy().tolist()
+    # Keras 3 variables: rank 1 starts different, broadcast from rank 0, eagerly and in tf.function.
+    v = keras.Variable(np.full((2, 2), float(r + 1), "float32"))
+    w = keras.Variable(np.array(7.0 * (r + 1), "float32"))
+    dist.broadcast_variables([v, w, v], root=0)
+    out["bcast_eager"] = [v.numpy().tolist(), float(w.numpy())]
+    u = keras.Variable(np.full((3,), float(r + 1), "float32"))
+
+    @tf.function
+    def bcast_in_graph():
+        dist.broadcast_variables([u], root=1)
+        return u.value.read_value()
+
+    out["bcast_graph"] = bcast_in_graph().numpy().tolist()
+    out["bcast_object"] = dist.broadcast_object({"rank": r, "list": [r] * 2}, root=1)
+    dist.barrier()
+    out["payload_fp32"] = dist.payload_bytes([y, x])
+    out["payload_fp16"] = dist.payload_bytes([y, x], compression="fp16")
+    write_result(r, out)
+
+
+if __name__ == "__main__":
+    main()
