@@ -1,0 +1,66 @@
+"""kmp: Keras-first mixed-precision training with Horovod distribution.
+
+Call :func:`kmp.enable` before building a Keras model, keep the outputs in
+float32 with :func:`kmp.float32_outputs`, check the model with :func:`kmp.audit`
+and wrap the optimizer once with :func:`kmp.wrap_optimizer`::
+
+    import kmp
+    kmp.enable()                       # "auto": follows the hardware
+    model = kmp.float32_outputs(build_model())
+    model.compile(optimizer=kmp.wrap_optimizer(keras.optimizers.Adam()), ...)
+
+Names are imported lazily, so ``import kmp`` loads neither Horovod nor
+TensorFlow Datasets.
+"""
+
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
+
+from kmp._version import __version__
+
+# Public name -> module that defines it. Submodules map to themselves.
+_EXPORTS: dict[str, str] = {
+    "enable": "kmp.policy",
+    "disable": "kmp.policy",
+    "current_policy": "kmp.policy",
+    "policy_scope": "kmp.policy",
+    "PolicyChoice": "kmp.policy",
+    "Float32Output": "kmp.layers",
+    "float32_outputs": "kmp.layers",
+    "audit": "kmp.auditing",
+    "AuditReport": "kmp.auditing",
+    "wrap_optimizer": "kmp.optimizer",
+    "configure_gpus": "kmp.gpu",
+    "callbacks": "kmp.callbacks",
+    "compat": "kmp.compat",
+    "data": "kmp.data",
+    "datasets": "kmp.datasets",
+    "distributed": "kmp.distributed",
+    "hardware": "kmp.hardware",
+    "layers": "kmp.layers",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+if _TYPE_CHECKING:  # pragma: no cover
+    from kmp import callbacks, compat, data, datasets, distributed, hardware, layers
+    from kmp.auditing import AuditReport, audit
+    from kmp.gpu import configure_gpus
+    from kmp.layers import Float32Output, float32_outputs
+    from kmp.optimizer import wrap_optimizer
+    from kmp.policy import PolicyChoice, current_policy, disable, enable, policy_scope
+
+
+def __getattr__(name: str) -> _Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'kmp' has no attribute {name!r}")
+    module = _importlib.import_module(module_name)
+    value = module if module_name == f"kmp.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

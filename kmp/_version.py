@@ -1,0 +1,3 @@
+"""kmp version."""
+
+__version__ = "0.1.0"

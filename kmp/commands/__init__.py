@@ -1,0 +1,17 @@
+"""The ``kmp`` command-line commands, one module each.
+
+Each module is split as parser / command / main:
+
+* ``configure(parser)`` adds the command's arguments to an ``argparse`` parser;
+* ``run(args) -> int`` does the work and returns the exit status;
+* ``main(argv=None) -> int`` parses ``argv`` and calls ``run`` (``python -m kmp.commands.X``).
+
+:mod:`kmp.cli` collects them under one ``kmp`` program.
+"""
+
+COMMANDS: dict[str, str] = {
+    "doctor": "Show versions, Horovod build facts, hardware and the policy 'auto' picks.",
+    "audit": "Audit a saved Keras model's layer dtypes; exit 1 when it is not ok.",
+    "launch": "Run a training script on N processes under horovodrun.",
+    "bench": "Run kmp's benchmarks and write bench/results/.",
+}

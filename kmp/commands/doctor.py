@@ -1,0 +1,144 @@
+"""``kmp doctor``: versions, Horovod build facts, hardware, and what "auto" picks.
+
+``kmp doctor --json`` prints one JSON object with these stable keys:
+
+* ``kmp``, ``python``, ``platform``: versions / platform string;
+* ``tensorflow``, ``tensorflow_datasets``, ``jax``, ``tf_keras``: version or null;
+* ``keras``: ``{"version", "backend"}``;
+* ``horovod``: ``{"installed", "version", "tensorflow_ops", "gloo", "mpi", "nccl",
+  "error", "install"}`` (``error`` and ``install`` are null when Horovod loads);
+* ``hardware``: :meth:`kmp.hardware.Hardware.to_dict`;
+* ``policy``: ``{"auto", "reason"}``, the policy ``kmp.enable("auto")`` picks here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+from collections.abc import Sequence
+
+__all__ = ["collect", "configure", "main", "run"]
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _horovod_facts() -> dict:
+    from kmp._imports import INSTALL_HINTS
+
+    facts: dict = {
+        "installed": False, "version": _version("horovod"), "tensorflow_ops": False,
+        "gloo": False, "mpi": False, "nccl": False, "error": None, "install": None,
+    }
+    if facts["version"] is None:
+        facts["error"] = "horovod is not installed"
+        facts["install"] = INSTALL_HINTS["horovod"]
+        return facts
+    facts["installed"] = True
+    try:
+        import horovod.tensorflow as hvd
+        from horovod.tensorflow import mpi_ops  # noqa: F401  (loads the compiled TF ops)
+    except Exception as exc:  # a broken build raises all sorts (ImportError, NotFoundError)
+        facts["error"] = f"horovod.tensorflow does not load: {exc}"
+        facts["install"] = INSTALL_HINTS["horovod"]
+        return facts
+    facts["tensorflow_ops"] = True
+    facts["gloo"] = bool(hvd.gloo_built())
+    facts["mpi"] = bool(hvd.mpi_built())
+    facts["nccl"] = bool(hvd.nccl_built())
+    return facts
+
+
+def collect() -> dict:
+    """Gather everything ``kmp doctor`` reports, as a JSON-ready dict."""
+    import keras
+
+    from kmp import __version__, hardware
+    from kmp.policy import choose_policy
+
+    hw = hardware.detect()
+    auto, reason = choose_policy(hw)
+    return {
+        "kmp": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "tensorflow": _version("tensorflow") or _version("tensorflow-cpu"),
+        "keras": {"version": keras.__version__, "backend": keras.backend.backend()},
+        "horovod": _horovod_facts(),
+        "tensorflow_datasets": _version("tensorflow-datasets"),
+        "jax": _version("jax"),
+        "tf_keras": _version("tf-keras"),
+        "hardware": hw.to_dict(),
+        "policy": {"auto": auto, "reason": reason},
+    }
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def format_report(info: dict) -> str:
+    """Render :func:`collect`'s dict as text."""
+    hvd = info["horovod"]
+    hw = info["hardware"]
+    lines = [
+        f"kmp                 {info['kmp']}",
+        f"Python              {info['python']}  ({info['platform']})",
+        f"TensorFlow          {info['tensorflow'] or 'not installed'}",
+        f"Keras               {info['keras']['version']}  (backend: {info['keras']['backend']})",
+        f"tensorflow-datasets {info['tensorflow_datasets'] or 'not installed'}",
+        f"JAX                 {info['jax'] or 'not installed'}",
+    ]
+    if hvd["tensorflow_ops"]:
+        lines.append(
+            f"Horovod             {hvd['version']}  (TensorFlow ops: yes, Gloo: {_yes(hvd['gloo'])}, "
+            f"MPI: {_yes(hvd['mpi'])}, NCCL: {_yes(hvd['nccl'])})"
+        )
+    else:
+        lines.append(f"Horovod             NOT usable: {hvd['error']}")
+        lines.append(f"                    install: {hvd['install']}")
+    cpu = hw["cpu"]
+    lines.append(
+        f"CPU                 {cpu['model']}, {cpu['cores']} cores  (avx512_bf16: "
+        f"{_yes(cpu['avx512_bf16'])}, AMX: {_yes(cpu['amx'])}, avx512_fp16: "
+        f"{_yes(cpu['avx512_fp16'])})"
+    )
+    if hw["gpus"]:
+        for i, g in enumerate(hw["gpus"]):
+            mem = f", {g['memory_mib']} MiB" if g["memory_mib"] else ""
+            lines.append(f"GPU {i:<16}{g['name']} (compute capability {g['compute_capability']}{mem})")
+    else:
+        lines.append("GPU                 none")
+    lines.append(f"TPU                 {_yes(hw['tpu'])}")
+    lines.append(f"auto policy         {info['policy']['auto']}: {info['policy']['reason']}")
+    return "\n".join(lines)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add ``kmp doctor``'s arguments."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report; always exits 0 (a missing Horovod is reported, not fatal)."""
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else format_report(info))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kmp.commands.doctor``."""
+    parser = argparse.ArgumentParser(prog="kmp doctor", description=__doc__.splitlines()[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Shared fixtures: global-state reset and a runner for real multi-process jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "distributed"
+
+# Keep TensorFlow quiet and single-threaded-ish in every process the tests start.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+@pytest.fixture(autouse=True)
+def _reset_keras_global_state(monkeypatch):
+    """Every test starts and ends with Keras's default float32 policy and no KMP_POLICY."""
+    import keras
+
+    monkeypatch.delenv("KMP_POLICY", raising=False)
+    keras.config.set_dtype_policy("float32")
+    yield
+    keras.config.set_dtype_policy("float32")
+    keras.backend.clear_session()
+
+
+def horovodrun_path() -> str | None:
+    exe = Path(sys.executable).with_name("horovodrun")
+    return str(exe) if exe.exists() else shutil.which("horovodrun")
+
+
+requires_horovod = pytest.mark.skipif(
+    horovodrun_path() is None, reason="Horovod is not installed (run bash launch/setup.sh)"
+)
+
+
+def run_workers(
+    script: str | Path,
+    *args: str,
+    np: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    out_dir: Path | None = None,
+) -> list[dict]:
+    """Run ``script`` on ``np`` real processes under ``horovodrun --gloo``.
+
+    Each worker is expected to write ``$KMP_TEST_OUT/rank{R}.json``; the parsed
+    files are returned in rank order. A failing job raises with its output.
+    """
+    import tempfile
+
+    script = Path(script)
+    if not script.is_absolute():
+        script = WORKERS / script
+    out = Path(out_dir or tempfile.mkdtemp(prefix="kmp-hvd-"))
+    out.mkdir(parents=True, exist_ok=True)
+    full_env = {
+        **os.environ,
+        "KMP_TEST_OUT": str(out),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    cmd = [
+        horovodrun_path(), "--gloo", "-np", str(np), "-H", f"localhost:{np}",
+        sys.executable, str(script), *args,
+    ]
+    proc = subprocess.run(
+        cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"horovodrun failed ({proc.returncode}): {' '.join(cmd)}\n"
+            f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+        )
+    results = []
+    for r in range(np):
+        path = out / f"rank{r}.json"
+        if not path.exists():
+            raise AssertionError(f"rank {r} wrote no {path}\n{proc.stdout[-4000:]}")
+        results.append(json.loads(path.read_text()))
+    return results
