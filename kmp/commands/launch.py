@@ -1,0 +1,420 @@
+"""``kmp launch``: run a training script on N processes under ``horovodrun``.
+
+::
+
+    kmp launch -np 4 train.py --epochs 3                  # 4 processes on this machine
+    kmp launch -np 8 -H node1:4,node2:4 train.py          # two machines, 4 slots each
+    kmp launch -np 8 --hostfile hosts.txt --gloo train.py
+    kmp launch -np 2 --policy mixed_bfloat16 --dry-run train.py   # print, do not run
+    kmp launch -np 1 train.py                             # plain `python train.py`
+
+The command is built as an argument list (never a shell string) by the pure
+functions here (:func:`parse_hosts`, :func:`parse_hostfile`,
+:func:`build_command`) and only :func:`execute` starts a process.
+
+Settings reach every rank through the environment: ``--policy P`` sets
+``KMP_POLICY=P`` and every ``KMP_*`` variable of the calling shell is passed
+on. ``horovodrun`` forwards its whole environment to the ranks: with Gloo it
+prefixes each rank's command with the variables (also over ssh to other
+hosts), with Open MPI it adds ``-x VAR`` for each one, and MPICH / Intel MPI
+pass the environment on by default.
+
+Hostfile format (one host per line, ``#`` starts a comment)::
+
+    node1 slots=4
+    node2:4          # the -H spelling works too
+    node3            # one slot
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = [
+    "ENV_PREFIX",
+    "POLICIES",
+    "Host",
+    "LaunchError",
+    "LaunchPlan",
+    "build_command",
+    "configure",
+    "execute",
+    "format_command",
+    "forwarded_env",
+    "main",
+    "parse_hostfile",
+    "parse_hosts",
+    "read_hostfile",
+    "run",
+]
+
+ENV_PREFIX = "KMP_"
+# The names kmp.policy.VALID_POLICIES accepts, repeated here so that `kmp launch` starts
+# without importing Keras/TensorFlow (a test keeps the two lists equal).
+POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
+# Intel's OpenMP runtime reads variables with the same prefix (scikit-learn and joblib set
+# some on import). They reach the ranks like every variable, but are not kmp settings.
+_OPENMP_VARS = frozenset(
+    {
+        "KMP_AFFINITY",
+        "KMP_BLOCKTIME",
+        "KMP_DUPLICATE_LIB_OK",
+        "KMP_HW_SUBSET",
+        "KMP_INIT_AT_FORK",
+        "KMP_SETTINGS",
+        "KMP_STACKSIZE",
+        "KMP_WARNINGS",
+    }
+)
+_HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+
+
+class LaunchError(ValueError):
+    """Bad input to ``kmp launch``; the message says what was wrong and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """One machine and how many processes it may run."""
+
+    name: str
+    slots: int
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.slots}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """What :func:`execute` runs.
+
+    Attributes:
+        argv: The command, as an argument list.
+        env: Variables set on top of the caller's environment (the ``KMP_*``
+            settings every rank receives).
+        horovodrun: True when the job goes through ``horovodrun``; False for
+            a single process started directly.
+    """
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    horovodrun: bool
+
+
+# ------------------------------------------------------------------ hosts
+
+
+def _slots(text: str, where: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise LaunchError(f"{where}: slots must be a positive integer, got {text!r}.")
+    return int(text)
+
+
+def _host_name(text: str, where: str) -> str:
+    if not _HOST_RE.match(text):
+        raise LaunchError(f"{where}: {text!r} is not a host name (letters, digits, '.', '-', '_').")
+    return text
+
+
+def _no_duplicates(hosts: list[Host], where: str) -> list[Host]:
+    seen: set[str] = set()
+    for host in hosts:
+        if host.name in seen:
+            raise LaunchError(f"{where}: host {host.name!r} is listed twice; list it once.")
+        seen.add(host.name)
+    return hosts
+
+
+def parse_hosts(spec: str) -> list[Host]:
+    """Parse a ``-H`` value such as ``"node1:4,node2:4"`` (a host without ``:N`` has 1 slot).
+
+    Raises:
+        LaunchError: An empty entry, a bad host name or a bad slot count.
+    """
+    hosts = []
+    for i, entry in enumerate(spec.split(","), start=1):
+        where = f"-H {spec!r}, entry {i}"
+        entry = entry.strip()
+        if not entry:
+            raise LaunchError(f"{where}: empty entry; use -H host1:N,host2:M.")
+        name, sep, slots = entry.partition(":")
+        hosts.append(Host(_host_name(name, where), _slots(slots, where) if sep else 1))
+    return _no_duplicates(hosts, f"-H {spec!r}")
+
+
+def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
+    """Parse hostfile text: one ``HOST slots=N``, ``HOST:N`` or ``HOST`` per line.
+
+    Blank lines and ``#`` comments are ignored.
+
+    Args:
+        text: The file's contents.
+        source: How to name the file in errors.
+
+    Returns:
+        The hosts, in file order.
+
+    Raises:
+        LaunchError: A malformed line (the message names its number and text),
+            a host listed twice, or no hosts at all.
+    """
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{source} line {number} ({raw.strip()!r})"
+        fields = line.split()
+        if len(fields) == 1:
+            name, sep, slots = fields[0].partition(":")
+            hosts.append(Host(_host_name(name, where), _slots(slots, where) if sep else 1))
+        elif len(fields) == 2 and fields[1].startswith("slots="):
+            hosts.append(
+                Host(_host_name(fields[0], where), _slots(fields[1][len("slots=") :], where))
+            )
+        else:
+            raise LaunchError(
+                f"{where}: expected 'HOST slots=N', 'HOST:N' or 'HOST', one host per line."
+            )
+    if not hosts:
+        raise LaunchError(f"{source} lists no hosts; add lines like 'node1 slots=4'.")
+    return _no_duplicates(hosts, source)
+
+
+def read_hostfile(path: str | os.PathLike) -> list[Host]:
+    """Read and parse a hostfile (see :func:`parse_hostfile`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise LaunchError(f"Hostfile {str(path)!r} does not exist or is not a file.")
+    return parse_hostfile(path.read_text(), source=f"hostfile {str(path)!r}")
+
+
+# ---------------------------------------------------------------- command
+
+
+def forwarded_env(environ: Mapping[str, str], policy: str | None = None) -> dict[str, str]:
+    """The ``KMP_*`` settings every rank receives: those in ``environ`` plus ``KMP_POLICY``.
+
+    Intel OpenMP's own ``KMP_*`` variables (``KMP_AFFINITY``, ...) are left out:
+    they are not kmp settings (the ranks inherit them like any other variable).
+    """
+    env = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX) and k not in _OPENMP_VARS}
+    if policy is not None:
+        env["KMP_POLICY"] = policy
+    return dict(sorted(env.items()))
+
+
+def _default_horovodrun() -> str:
+    sibling = Path(sys.executable).with_name("horovodrun")
+    if sibling.exists():
+        return str(sibling)
+    return shutil.which("horovodrun") or "horovodrun"
+
+
+def build_command(
+    np: int,
+    script: str | os.PathLike,
+    script_args: Sequence[str] = (),
+    *,
+    hosts: Sequence[Host] | None = None,
+    controller: str | None = None,
+    policy: str | None = None,
+    ssh_port: int | None = None,
+    network_interfaces: str | None = None,
+    python: str | None = None,
+    horovodrun: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LaunchPlan:
+    """Build the command that runs ``script`` on ``np`` processes (pure: starts nothing).
+
+    Args:
+        np: Number of processes, >= 1. With 1 the script runs as a plain
+            ``python script.py`` on this machine, without ``horovodrun``.
+        script: The Python script; it must exist.
+        script_args: Arguments passed to the script unchanged.
+        hosts: Where to run; ``localhost:np`` when None.
+        controller: ``"gloo"``, ``"mpi"``, or None to let ``horovodrun`` choose.
+        policy: Dtype policy for every rank (sets ``KMP_POLICY``).
+        ssh_port: SSH port of the other hosts.
+        network_interfaces: Comma-separated interfaces for ``horovodrun``.
+        python: Interpreter for the script; this one (``sys.executable``) when None.
+        horovodrun: Path of ``horovodrun``; the one next to ``python`` or on PATH when None.
+        environ: Environment to take ``KMP_*`` variables from; ``os.environ`` when None.
+
+    Returns:
+        The :class:`LaunchPlan`.
+
+    Raises:
+        LaunchError: ``np < 1``, a missing script, an unknown controller or
+            policy, or hosts with fewer slots than ``np``.
+    """
+    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
+        raise LaunchError(f"-np must be an integer >= 1 (the number of processes), got {np!r}.")
+    script_path = Path(script)
+    if not script_path.is_file():
+        raise LaunchError(
+            f"Script {str(script)!r} does not exist (looked in {Path.cwd()}); give the path "
+            "of a Python file."
+        )
+    if controller not in (None, "gloo", "mpi"):
+        raise LaunchError(f"controller must be 'gloo', 'mpi' or None, got {controller!r}.")
+    if policy is not None and policy not in POLICIES:
+        raise LaunchError(f"--policy {policy!r} is not a policy; use one of {', '.join(POLICIES)}.")
+    env = forwarded_env(os.environ if environ is None else environ, policy)
+    python = python or sys.executable
+    command = [python, str(script_path), *script_args]
+    if np == 1:
+        return LaunchPlan(argv=tuple(command), env=env, horovodrun=False)
+
+    hosts = list(hosts) if hosts else [Host("localhost", np)]
+    total = sum(h.slots for h in hosts)
+    if total < np:
+        listed = ",".join(str(h) for h in hosts)
+        raise LaunchError(
+            f"-np {np} needs {np} slots, but the hosts ({listed}) provide {total}. "
+            "Add slots (-H host:N) or hosts, or lower -np."
+        )
+    argv = [horovodrun or _default_horovodrun(), "-np", str(np)]
+    argv += ["-H", ",".join(str(h) for h in hosts)]
+    if controller:
+        argv.append(f"--{controller}")
+    if ssh_port is not None:
+        argv += ["-p", str(ssh_port)]
+    if network_interfaces:
+        argv += ["--network-interfaces", network_interfaces]
+    return LaunchPlan(argv=tuple(argv + command), env=env, horovodrun=True)
+
+
+def format_command(plan: LaunchPlan) -> str:
+    """The plan as one copy-pasteable shell line (for display only; never executed)."""
+    prefix = [f"{k}={v}" for k, v in plan.env.items()]
+    return shlex.join([*prefix, *plan.argv])
+
+
+def execute(plan: LaunchPlan) -> int:
+    """Run the plan and return its exit status (130 after Ctrl-C)."""
+    if plan.horovodrun and shutil.which(plan.argv[0]) is None:
+        from kmp._imports import INSTALL_HINTS
+
+        print(
+            f"kmp launch: {plan.argv[0]!r} was not found. Horovod is needed for -np > 1: "
+            f"{INSTALL_HINTS['horovod']}",
+            file=sys.stderr,
+        )
+        return 127
+    env = {**os.environ, **plan.env}
+    try:
+        return subprocess.run(list(plan.argv), env=env, check=False).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
+# ------------------------------------------------------- parser / command / main
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add ``kmp launch``'s arguments to ``parser``."""
+    parser.add_argument(
+        "-np",
+        "--num-proc",
+        dest="np",
+        type=int,
+        required=True,
+        metavar="N",
+        help="number of processes (1 runs the script directly, without horovodrun)",
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "-H",
+        "--hosts",
+        metavar="HOSTS",
+        help="hosts and slots, e.g. node1:4,node2:4 (default: localhost:N)",
+    )
+    where.add_argument("--hostfile", metavar="FILE", help="file with one 'HOST slots=N' per line")
+    ctl = parser.add_mutually_exclusive_group()
+    ctl.add_argument(
+        "--gloo",
+        dest="controller",
+        action="store_const",
+        const="gloo",
+        help="use Horovod's Gloo controller",
+    )
+    ctl.add_argument(
+        "--mpi",
+        dest="controller",
+        action="store_const",
+        const="mpi",
+        help="use MPI (Horovod must be built with MPI)",
+    )
+    parser.add_argument(
+        "--policy",
+        metavar="P",
+        help="dtype policy for every rank: auto, mixed_float16, mixed_bfloat16, float32 "
+        "(sets KMP_POLICY)",
+    )
+    parser.add_argument("-p", "--ssh-port", type=int, metavar="PORT", help="SSH port of the hosts")
+    parser.add_argument(
+        "--network-interfaces", metavar="IFACES", help="network interfaces, e.g. eth0,ib0"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print the command and exit without running it"
+    )
+    parser.add_argument("script", help="the Python training script")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="...", help="arguments for the script"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the command from parsed arguments, then print it (``--dry-run``) or run it."""
+    try:
+        if args.hostfile:
+            hosts = read_hostfile(args.hostfile)
+        elif args.hosts:
+            hosts = parse_hosts(args.hosts)
+        else:
+            hosts = None
+        plan = build_command(
+            args.np,
+            args.script,
+            args.script_args,
+            hosts=hosts,
+            controller=args.controller,
+            policy=args.policy,
+            ssh_port=args.ssh_port,
+            network_interfaces=args.network_interfaces,
+        )
+    except LaunchError as exc:
+        print(f"kmp launch: error: {exc}", file=sys.stderr)
+        return 2
+    if not plan.horovodrun and hosts:
+        print(
+            "kmp launch: -np 1 runs on this machine without horovodrun; hosts ignored.",
+            file=sys.stderr,
+        )
+    if args.dry_run:
+        print(format_command(plan))
+        return 0
+    return execute(plan)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` as ``kmp launch`` arguments and run."""
+    parser = argparse.ArgumentParser(
+        prog="kmp launch", description="Run a training script on N processes under horovodrun."
+    )
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,442 @@
+"""tf.data input pipelines from TensorFlow Datasets for multi-rank mixed-precision training.
+
+:func:`load` returns the batches one rank trains on::
+
+    import kmp
+    kmp.distributed.init()
+    kmp.enable()                                    # e.g. mixed_bfloat16
+    train = kmp.data.load("kmp_digits", "train", batch_size=32, epochs=None)
+    spec = kmp.data.shard_spec("kmp_digits", "train", batch_size=32)
+    model.fit(train, epochs=10, steps_per_epoch=spec.steps_per_epoch)
+
+What it does, in order:
+
+1. **Shard.** The split is cut into ``size`` contiguous sub-splits with
+   ``tfds.even_splits`` and rank ``r`` reads only the ``r``-th, so no example
+   is read by two ranks and every example belongs to exactly one rank (sizes
+   differ by at most one).
+2. **Shuffle** the rank's shard (still encoded, so the buffer is cheap) with a
+   seed derived from ``(seed, epoch)``: each epoch has its own order, and the
+   same ``(seed, epoch)`` always gives the same order, also after a restart.
+3. **Decode, normalise, cast** on the host: images to ``[0, 1]``, optionally
+   resized, then cast to the compute dtype of the current Keras policy
+   (e.g. bfloat16), so the model is fed in the dtype it computes in; labels
+   to int32.
+4. **Batch** with ``drop_remainder=True`` and stop every rank after the same
+   number of steps, ``(num_examples // size) // batch_size``, so that no rank
+   waits in a collective for a peer that has run out of data.
+5. **Prefetch** with ``tf.data.AUTOTUNE``.
+
+What is dropped: per epoch, ``num_examples - size * steps * batch_size``
+examples of the split are not used (:attr:`ShardSpec.dropped_per_epoch`):
+up to ``size - 1`` left over by the even split plus, on each rank, the tail
+that does not fill a batch. Because the shards are reshuffled every epoch, the
+batch tails are different examples each epoch; the even-split remainder (the
+last examples of the larger shards) is read but trimmed by the step limit
+when it falls at the end of the shuffled order.
+
+Data sets are read from ``data_dir`` (default ``$KMP_DATA_DIR`` or
+``~/.cache/kmp/tensorflow_datasets``). kmp's own data sets (``kmp_digits``,
+``kmp_synthetic_images``, see :mod:`kmp.datasets`) are prepared there on
+first use without network; any other TFDS image-classification data set must
+already be prepared there, unless ``download=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from kmp._imports import optional_import
+
+__all__ = ["ShardSpec", "available", "load", "open_builder", "shard_spec"]
+
+_MAX_SEED = 2**31
+_DEFAULT_SHUFFLE_BUFFER = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """How one split is divided among ranks and batches.
+
+    Attributes:
+        name: Data set name.
+        split: Split name (any TFDS split expression).
+        num_examples: Examples in the split.
+        size: Number of ranks.
+        batch_size: Examples per batch on each rank (None: unbatched).
+        examples_per_rank: Examples each rank is guaranteed, ``num_examples // size``.
+        steps_per_epoch: Batches each rank runs per epoch (every rank the same);
+            None when unbatched.
+        dropped_per_epoch: Examples of the split that no rank trains on in one
+            epoch (0 when unbatched).
+        num_classes: Number of label classes.
+        image_shape: Shape of one image as stored, e.g. ``(8, 8, 1)``.
+    """
+
+    name: str
+    split: str
+    num_examples: int
+    size: int
+    batch_size: int | None
+    examples_per_rank: int
+    steps_per_epoch: int | None
+    dropped_per_epoch: int
+    num_classes: int
+    image_shape: tuple[int | None, ...]
+
+    def to_dict(self) -> dict:
+        """Return a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------- builders
+
+
+def _tfds() -> Any:
+    return optional_import("tensorflow_datasets", feature="kmp.data")
+
+
+def available(data_dir: str | os.PathLike | None = None) -> list[str]:
+    """Names :func:`load` can read from ``data_dir`` without downloading.
+
+    These are kmp's own data sets (prepared on demand) plus every TFDS data set
+    already prepared in ``data_dir``.
+    """
+    from kmp import datasets
+
+    return sorted(set(datasets.BUILDERS) | set(datasets.prepared_names(data_dir)))
+
+
+def open_builder(
+    name: str, data_dir: str | os.PathLike | None = None, *, download: bool = False
+) -> Any:
+    """Return a prepared TFDS builder for ``name`` in ``data_dir``.
+
+    kmp's own data sets are prepared on first use (no network). Any other
+    data set must be prepared in ``data_dir`` already, or ``download=True``
+    lets TFDS download and prepare it.
+
+    Args:
+        name: TFDS name, optionally with config/version (``"mnist"``,
+            ``"kmp_digits"``, ``"cifar10:3.0.2"``).
+        data_dir: TFDS data directory; ``$KMP_DATA_DIR`` or the kmp cache when None.
+        download: Let TFDS download and prepare a data set that is missing.
+
+    Returns:
+        The ``tfds`` builder, ready for ``as_dataset``.
+
+    Raises:
+        ValueError: The name is unknown (the message lists what is available
+            locally), or the data set is not prepared in ``data_dir`` and
+            ``download`` is False (the message says how to prepare it).
+    """
+    from kmp import datasets
+
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"Data set name must be a non-empty string, got {name!r}.")
+    root = datasets.resolve_data_dir(data_dir)
+    if name in datasets.BUILDERS:
+        return datasets.prepare(name, root)
+    tfds = _tfds()
+    try:
+        builder = tfds.builder(name, data_dir=str(root))
+    except tfds.core.registered.DatasetNotFoundError:
+        local = available(root)
+        raise ValueError(
+            f"Unknown data set {name!r}: it is neither a TFDS data set nor prepared in "
+            f"{root}. Available here without download: {', '.join(local)}. "
+            "Check the name, or pass data_dir= where the data set is prepared."
+        ) from None
+    if (_path(builder.data_path) / "dataset_info.json").is_file():
+        return builder
+    if not download:
+        raise ValueError(
+            f"Data set {name!r} is not prepared in {root} (no {_path(builder.data_path)}"
+            "/dataset_info.json). Prepare it on a machine with internet with "
+            f"`tfds build {name} --data_dir {root}` and copy that folder here, pass "
+            f"data_dir= (or set $KMP_DATA_DIR) to where it is prepared, or call "
+            f"kmp.data.load(..., download=True). Available here: {', '.join(available(root))}."
+        )
+    builder.download_and_prepare()
+    return builder
+
+
+def _path(p: Any) -> Any:
+    from pathlib import Path
+
+    return Path(os.fspath(p))
+
+
+def _image_label_keys(builder: Any, name: str) -> tuple[str, str]:
+    tfds = _tfds()
+    keys = builder.info.supervised_keys or ("image", "label")
+    features = builder.info.features
+    if not (
+        isinstance(keys, tuple)
+        and len(keys) == 2
+        and all(isinstance(k, str) for k in keys)
+        and keys[0] in features
+        and keys[1] in features
+        and isinstance(features[keys[0]], tfds.features.Image)
+        and isinstance(features[keys[1]], tfds.features.ClassLabel)
+    ):
+        raise ValueError(
+            f"Data set {name!r} is not an image-classification data set that kmp.data can "
+            f"read: it needs an Image feature and a ClassLabel feature (supervised keys "
+            f"{keys!r}; features {sorted(features.keys())})."
+        )
+    return keys[0], keys[1]
+
+
+def _num_examples(builder: Any, split: str, name: str) -> int:
+    try:
+        return int(builder.info.splits[split].num_examples)
+    except (KeyError, ValueError) as exc:
+        raise ValueError(
+            f"Data set {name!r} has no split {split!r} ({exc}). Its splits: "
+            f"{', '.join(builder.info.splits.keys())} (sub-splits like 'train[:50%]' work too)."
+        ) from None
+
+
+# -------------------------------------------------------------------- checking
+
+
+def _check_int(value: Any, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}.")
+    return value
+
+
+def _world(rank: int | None, size: int | None) -> tuple[int, int]:
+    if rank is None or size is None:
+        try:
+            from kmp import distributed
+        except ImportError:  # the distributed module is optional for plain input pipelines
+            default_rank, default_size = 0, 1
+        else:
+            default_rank, default_size = distributed.rank(), distributed.size()
+        rank = default_rank if rank is None else rank
+        size = default_size if size is None else size
+    _check_int(size, "size (number of ranks)", 1)
+    _check_int(rank, "rank", 0)
+    if rank >= size:
+        raise ValueError(f"rank must be in [0, size): got rank={rank} with size={size}.")
+    return rank, size
+
+
+def _compute_dtype(dtype: Any) -> str:
+    import keras
+
+    if dtype is None:
+        return keras.config.dtype_policy().compute_dtype
+    name = keras.backend.standardize_dtype(dtype)
+    if name not in ("float16", "bfloat16", "float32", "float64"):
+        raise ValueError(
+            f"dtype must be a floating dtype (float16, bfloat16, float32, float64), got "
+            f"{dtype!r}. Leave it None to follow the current Keras policy."
+        )
+    return name
+
+
+def _image_hw(image_size: Any) -> tuple[int, int] | None:
+    if image_size is None:
+        return None
+    hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+    if len(hw) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in hw):
+        raise ValueError(
+            f"image_size must be a positive int or (height, width), got {image_size!r}."
+        )
+    return hw  # type: ignore[return-value]
+
+
+def _epoch_seed(seed: int, epoch: Any) -> Any:
+    """The shuffle seed of one epoch: a fixed function of (seed, epoch)."""
+    return seed * 1_000_003 + epoch
+
+
+# ------------------------------------------------------------------ public API
+
+
+def shard_spec(
+    name: str,
+    split: str = "train",
+    *,
+    batch_size: int | None,
+    size: int | None = None,
+    data_dir: str | os.PathLike | None = None,
+    download: bool = False,
+) -> ShardSpec:
+    """Describe how ``split`` is divided among ``size`` ranks in batches of ``batch_size``.
+
+    Args:
+        name: Data set name (see :func:`load`).
+        split: Split name.
+        batch_size: Batch size per rank, or None for unbatched.
+        size: Number of ranks; ``kmp.distributed.size()`` when None.
+        data_dir: TFDS data directory (see :func:`load`).
+        download: Let TFDS download a missing data set.
+
+    Returns:
+        The :class:`ShardSpec`.
+
+    Raises:
+        ValueError: Bad arguments, or too few examples for one batch per rank.
+    """
+    _, size = _world(0 if size is not None else None, size)
+    if batch_size is not None:
+        _check_int(batch_size, "batch_size", 1)
+    builder = open_builder(name, data_dir, download=download)
+    image_key, label_key = _image_label_keys(builder, name)
+    n = _num_examples(builder, split, name)
+    per_rank = n // size
+    if batch_size is None:
+        steps, dropped = None, 0
+    else:
+        steps = per_rank // batch_size
+        if steps == 0:
+            raise ValueError(
+                f"Split {split!r} of {name!r} has {n} examples: with {size} rank(s) and "
+                f"batch_size={batch_size} per rank there is not one full batch per rank. "
+                f"Use batch_size <= {max(per_rank, 1)} or fewer ranks."
+            )
+        dropped = n - size * steps * batch_size
+    features = builder.info.features
+    return ShardSpec(
+        name=name,
+        split=split,
+        num_examples=n,
+        size=size,
+        batch_size=batch_size,
+        examples_per_rank=per_rank,
+        steps_per_epoch=steps,
+        dropped_per_epoch=dropped,
+        num_classes=int(features[label_key].num_classes),
+        image_shape=tuple(features[image_key].shape),
+    )
+
+
+def load(
+    name: str,
+    split: str = "train",
+    *,
+    batch_size: int | None,
+    data_dir: str | os.PathLike | None = None,
+    rank: int | None = None,
+    size: int | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    epoch: int = 0,
+    epochs: int | None = 1,
+    dtype: Any = None,
+    image_size: int | tuple[int, int] | None = None,
+    normalize: bool = True,
+    shuffle_buffer: int = _DEFAULT_SHUFFLE_BUFFER,
+    cache: bool = False,
+    with_ids: bool = False,
+    download: bool = False,
+) -> Any:
+    """Return this rank's ``tf.data.Dataset`` of ``(images, labels)`` batches.
+
+    See the module docstring for what the pipeline does and what it drops.
+
+    Args:
+        name: TFDS data set name (e.g. ``"kmp_digits"``, ``"kmp_synthetic_images"``,
+            ``"mnist"``). Must be an image-classification data set (an Image and
+            a ClassLabel feature).
+        split: Split to read, e.g. ``"train"``, ``"test"``, ``"train[:80%]"``.
+        batch_size: Examples per batch on this rank. None yields single
+            examples: the whole shard, unbatched and untrimmed (for inspection).
+        data_dir: TFDS data directory; ``$KMP_DATA_DIR`` or
+            ``~/.cache/kmp/tensorflow_datasets`` when None.
+        rank: This process's rank; ``kmp.distributed.rank()`` when None.
+        size: Number of ranks; ``kmp.distributed.size()`` when None.
+        shuffle: Shuffle each epoch (False: the stored order).
+        seed: Base seed, ``0 <= seed < 2**31``; epoch ``e`` is shuffled with a
+            seed that is a fixed function of ``(seed, e)``.
+        epoch: Number of the first epoch (pass ``initial_epoch`` when resuming,
+            so the resumed epochs get their own orders rather than epoch 0's).
+        epochs: How many epochs the dataset yields; None repeats forever.
+            Every epoch yields exactly ``steps_per_epoch`` batches.
+        dtype: Dtype of the images; the current Keras policy's compute dtype
+            when None (bfloat16 under ``mixed_bfloat16``).
+        image_size: Resize images to this size (int or ``(height, width)``).
+        normalize: Scale pixel values from ``0..255`` to ``[0, 1]``.
+        shuffle_buffer: Maximum shuffle buffer (encoded examples); the shard is
+            shuffled completely when it is smaller.
+        cache: Keep the rank's encoded shard in memory after the first epoch.
+        with_ids: Also yield each example's ``tfds_id`` string (for checks).
+        download: Let TFDS download and prepare a missing data set.
+
+    Returns:
+        A ``tf.data.Dataset`` of ``(images, labels)`` (or ``(images, labels, ids)``).
+
+    Raises:
+        ValueError: Unknown data set (the message lists what is available),
+            data set not prepared (the message says how to prepare it), a bad
+            split, rank, size, batch size, dtype or image size.
+    """
+    import tensorflow as tf
+
+    tfds = _tfds()
+    rank, size = _world(rank, size)
+    _check_int(seed, "seed", 0)
+    if seed >= _MAX_SEED:
+        raise ValueError(f"seed must be < 2**31, got {seed}.")
+    _check_int(epoch, "epoch", 0)
+    if epochs is not None:
+        _check_int(epochs, "epochs", 1)
+    _check_int(shuffle_buffer, "shuffle_buffer", 1)
+    out_dtype = _compute_dtype(dtype)
+    hw = _image_hw(image_size)
+    spec = shard_spec(
+        name, split, batch_size=batch_size, size=size, data_dir=data_dir, download=download
+    )
+    builder = open_builder(name, data_dir, download=download)
+    image_key, label_key = _image_label_keys(builder, name)
+    image_feature = builder.info.features[image_key]
+
+    sub_split = tfds.even_splits(split, n=size)[rank]
+    base = builder.as_dataset(
+        split=sub_split,
+        shuffle_files=False,
+        decoders={image_key: tfds.decode.SkipDecoding()},
+        read_config=tfds.ReadConfig(add_tfds_id=with_ids, try_autocache=False),
+    )
+    if cache:
+        base = base.cache()
+    shard_len = spec.num_examples // size + (1 if rank < spec.num_examples % size else 0)
+    buffer = max(1, min(shuffle_buffer, shard_len))
+
+    def prepare(example: dict) -> tuple:
+        image = tf.cast(image_feature.decode_example(example[image_key]), tf.float32)
+        if hw is not None:
+            image = tf.image.resize(image, hw)
+        if normalize:
+            image = image / 255.0
+        out = (tf.cast(image, out_dtype), tf.cast(example[label_key], tf.int32))
+        return (*out, example["tfds_id"]) if with_ids else out
+
+    def one_epoch(e: Any) -> Any:
+        ds = base
+        if shuffle:
+            ds = ds.shuffle(buffer, seed=_epoch_seed(seed, e), reshuffle_each_iteration=False)
+        ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
+        if batch_size is not None:
+            ds = ds.batch(batch_size, drop_remainder=True).take(spec.steps_per_epoch)
+        return ds
+
+    if epochs == 1:
+        ds = one_epoch(epoch)
+    else:
+        starts = (
+            tf.data.Dataset.counter(start=epoch)
+            if epochs is None
+            else tf.data.Dataset.range(epoch, epoch + epochs)
+        )
+        ds = starts.flat_map(one_epoch)
+    if epochs is not None:
+        per_epoch = spec.steps_per_epoch if batch_size is not None else shard_len
+        ds = ds.apply(tf.data.experimental.assert_cardinality(per_epoch * epochs))
+    return ds.prefetch(tf.data.AUTOTUNE)

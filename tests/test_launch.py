@@ -1,0 +1,279 @@
+"""kmp launch: hostfile parsing, the command it builds, --dry-run, and real launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, requires_horovod
+
+from kmp.commands import launch
+from kmp.commands.launch import Host, LaunchError, build_command, parse_hostfile, parse_hosts
+
+HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text("print('hello')\n")
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _no_kmp_env(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("KMP_"):
+            monkeypatch.delenv(key)
+
+
+def dry_run(capsys, *argv: str) -> list[str]:
+    """Run `kmp launch --dry-run ARGV` in-process and return the printed command as a list."""
+    assert launch.main(["--dry-run", *argv]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out
+    return shlex.split(out[0])
+
+
+def error(capsys, *argv: str) -> str:
+    assert launch.main(["--dry-run", *argv]) == 2
+    return capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ parsing
+
+
+def test_parse_hosts():
+    assert parse_hosts("a:2,b.example.com:4,c") == [
+        Host("a", 2),
+        Host("b.example.com", 4),
+        Host("c", 1),
+    ]
+    for bad, message in [
+        ("a:0", "slots must be a positive integer"),
+        ("a:x", "slots must be a positive integer"),
+        ("a:2,,b", "entry 2: empty entry"),
+        ("a b:2", "not a host name"),
+        ("a:1,a:2", "listed twice"),
+    ]:
+        with pytest.raises(LaunchError, match=message):
+            parse_hosts(bad)
+
+
+def test_parse_hostfile_formats_and_comments():
+    text = "# cluster\nnode1 slots=4\n\nnode2:2   # the -H spelling\nnode3\n"
+    assert parse_hostfile(text) == [Host("node1", 4), Host("node2", 2), Host("node3", 1)]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("node1 slots=4\nnode2 slot=4\n", r"line 2 \('node2 slot=4'\): expected 'HOST slots=N'"),
+        ("node1 slots=4\n\nnode2 slots=four\n", r"line 3 \('node2 slots=four'\): slots must"),
+        ("node1 slots=4 extra\n", r"line 1 .*expected"),
+        ("node1 slots=0\n", r"line 1 .*slots must be a positive integer"),
+        ("bad/host slots=1\n", r"line 1 .*not a host name"),
+        ("a\na:2\n", "listed twice"),
+        ("# only a comment\n\n", "lists no hosts"),
+    ],
+)
+def test_malformed_hostfile_names_the_line(text, message):
+    with pytest.raises(LaunchError, match=message):
+        parse_hostfile(text, source="hosts.txt")
+
+
+def test_policies_match_kmp_policy():
+    from kmp.policy import VALID_POLICIES
+
+    assert launch.POLICIES == VALID_POLICIES
+
+
+# ---------------------------------------------------------------- building
+
+
+def test_build_command_is_an_argument_list(script):
+    plan = build_command(
+        2, script, ["--lr", "0.1; rm -rf /"], horovodrun="hvdrun", python="py", environ={}
+    )
+    assert plan.horovodrun
+    assert plan.argv == (
+        "hvdrun", "-np", "2", "-H", "localhost:2", "py", str(script), "--lr", "0.1; rm -rf /",
+    )  # fmt: skip
+    assert plan.env == {}
+
+
+def test_kmp_settings_are_forwarded(script):
+    environ = {"KMP_DATA_DIR": "/data", "KMP_POLICY": "float32", "HOME": "/root",
+               "KMP_AFFINITY": "granularity=fine"}  # fmt: skip
+    plan = build_command(2, script, environ=environ, policy="mixed_bfloat16")
+    # --policy overrides an inherited KMP_POLICY; OpenMP's KMP_AFFINITY is not a kmp setting.
+    assert plan.env == {"KMP_DATA_DIR": "/data", "KMP_POLICY": "mixed_bfloat16"}
+    assert build_command(1, script, environ=environ).env == {
+        "KMP_DATA_DIR": "/data",
+        "KMP_POLICY": "float32",
+    }
+
+
+def test_single_process_runs_without_horovodrun(script):
+    plan = build_command(1, script, ["-x"], python="py", environ={})
+    assert not plan.horovodrun and plan.argv == ("py", str(script), "-x")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"np": 0}, r"-np must be an integer >= 1"),
+        ({"np": -3}, r"-np must be an integer >= 1"),
+        ({"np": 3, "hosts": [Host("a", 1), Host("b", 1)]}, r"-np 3 needs 3 slots.*provide 2"),
+        ({"np": 2, "controller": "ssh"}, r"controller must be"),
+        ({"np": 2, "policy": "fp8"}, r"'fp8' is not a policy"),
+    ],
+)
+def test_build_command_rejects_bad_input(script, kwargs, message):
+    np_ = kwargs.pop("np")
+    with pytest.raises(LaunchError, match=message):
+        build_command(np_, script, environ={}, **kwargs)
+
+
+def test_missing_script(tmp_path):
+    with pytest.raises(LaunchError, match=r"Script '.*nope.py' does not exist"):
+        build_command(2, tmp_path / "nope.py", environ={})
+
+
+# ------------------------------------------------------------ --dry-run, each option
+
+
+def test_dry_run_defaults(capsys, script):
+    assert dry_run(capsys, "-np", "4", str(script)) == [
+        HOROVODRUN, "-np", "4", "-H", "localhost:4", sys.executable, str(script),
+    ]  # fmt: skip
+
+
+def test_dry_run_hosts(capsys, script):
+    cmd = dry_run(capsys, "-np", "6", "-H", "n1:4,n2:2", str(script))
+    assert cmd[3:5] == ["-H", "n1:4,n2:2"]
+
+
+def test_dry_run_hostfile(capsys, script, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("n1 slots=2\nn2 slots=2\n")
+    cmd = dry_run(capsys, "-np", "4", "--hostfile", str(hostfile), str(script))
+    assert cmd[3:5] == ["-H", "n1:2,n2:2"]
+
+
+@pytest.mark.parametrize("flag", ["--gloo", "--mpi"])
+def test_dry_run_controller(capsys, script, flag):
+    cmd = dry_run(capsys, "-np", "2", flag, str(script))
+    assert cmd[5] == flag and cmd.count(flag) == 1
+
+
+def test_dry_run_policy_sets_kmp_policy(capsys, script):
+    cmd = dry_run(capsys, "-np", "2", "--policy", "mixed_bfloat16", str(script))
+    assert cmd[0] == "KMP_POLICY=mixed_bfloat16" and cmd[1] == HOROVODRUN
+
+
+def test_dry_run_shows_forwarded_kmp_env(capsys, script, monkeypatch):
+    monkeypatch.setenv("KMP_DATA_DIR", "/data dir")
+    cmd = dry_run(capsys, "-np", "2", str(script))
+    assert cmd[0] == "KMP_DATA_DIR=/data dir"
+
+
+def test_dry_run_ssh_port_and_interfaces(capsys, script):
+    cmd = dry_run(capsys, "-np", "2", "-p", "2222", "--network-interfaces", "eth0", str(script))
+    assert cmd[5:9] == ["-p", "2222", "--network-interfaces", "eth0"]
+
+
+def test_dry_run_script_arguments_pass_through(capsys, script):
+    cmd = dry_run(capsys, "-np", "2", str(script), "--epochs", "3", "-np", "9", "--dry-run")
+    assert cmd[-5:] == ["--epochs", "3", "-np", "9", "--dry-run"]
+    assert cmd[:3] == [HOROVODRUN, "-np", "2"]
+
+
+def test_dry_run_single_process(capsys, script):
+    assert dry_run(capsys, "-np", "1", str(script), "--x") == [sys.executable, str(script), "--x"]
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_cli_errors_are_clear(capsys, script, tmp_path):
+    assert "-np must be an integer >= 1" in error(capsys, "-np", "0", str(script))
+    assert "does not exist" in error(capsys, "-np", "2", str(tmp_path / "missing.py"))
+    assert "provide 2" in error(capsys, "-np", "3", "-H", "a:1,b:1", str(script))
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("n1 slots=2\nn2 slots=2 gpus=1\n")
+    err = error(capsys, "-np", "2", "--hostfile", str(hostfile), str(script))
+    assert "line 2 ('n2 slots=2 gpus=1')" in err
+    assert "does not exist" in error(capsys, "-np", "2", "--hostfile", str(tmp_path / "x"), "a")
+    with pytest.raises(SystemExit):  # argparse: -H and --hostfile together
+        launch.main(["-np", "2", "-H", "a:2", "--hostfile", str(hostfile), str(script)])
+    with pytest.raises(SystemExit):  # argparse: --gloo and --mpi together
+        launch.main(["-np", "2", "--gloo", "--mpi", str(script)])
+
+
+def test_kmp_cli_dry_run_subprocess(script):
+    """The `kmp` program (module form) wires the command in."""
+    out = subprocess.run(
+        [sys.executable, "-m", "kmp.cli", "launch", "-np", "2", "--gloo", "--dry-run",
+         str(script)],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KMP_")},
+    )  # fmt: skip
+    assert shlex.split(out.stdout) == [
+        HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script),
+    ]  # fmt: skip
+
+
+# --------------------------------------------------------------- real launches
+
+RANK_SCRIPT = """
+import json, os, sys
+import kmp
+world = kmp.distributed.init()
+total = int(kmp.distributed.allreduce(float(world.rank + 1), op="sum"))
+out = os.path.join(os.environ["KMP_TEST_OUT"], f"rank{world.rank}.json")
+with open(out, "w") as f:
+    json.dump({"rank": world.rank, "size": world.size, "sum": total, "argv": sys.argv[1:],
+               "policy": os.environ.get("KMP_POLICY")}, f)
+"""
+
+
+def _launch(tmp_path, *argv: str) -> subprocess.CompletedProcess:
+    worker = tmp_path / "rank_size.py"
+    worker.write_text(RANK_SCRIPT)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("KMP_")},
+        "KMP_TEST_OUT": str(tmp_path),
+        "PYTHONPATH": str(ROOT),
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "kmp.cli", "launch", *argv, str(worker), "--flag", "a b"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=240,
+    )  # fmt: skip
+
+
+@pytest.mark.distributed
+@requires_horovod
+def test_real_two_rank_launch(tmp_path):
+    proc = _launch(tmp_path, "-np", "2", "--gloo", "--policy", "mixed_bfloat16")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["rank"], r["size"]) for r in results] == [(0, 2), (1, 2)]
+    assert {r["sum"] for r in results} == {3}  # a real allreduce between the two ranks
+    assert all(r["policy"] == "mixed_bfloat16" for r in results)  # forwarded to every rank
+    assert all(r["argv"] == ["--flag", "a b"] for r in results)
+
+
+def test_real_single_process_launch(tmp_path):
+    proc = _launch(tmp_path, "-np", "1", "--policy", "float32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert (result["rank"], result["size"], result["sum"]) == (0, 1, 1)
+    assert result["policy"] == "float32"
