@@ -43,13 +43,13 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = ["__version__", *_EXPORTS]
 
-if _TYPE_CHECKING:  # pragma: no cover
-    from kmp import callbacks, compat, data, datasets, distributed, hardware, layers
-    from kmp.auditing import AuditReport, audit
-    from kmp.gpu import configure_gpus
-    from kmp.layers import Float32Output, float32_outputs
-    from kmp.optimizer import wrap_optimizer
-    from kmp.policy import PolicyChoice, current_policy, disable, enable, policy_scope
+if _TYPE_CHECKING:  # pragma: no cover  (static analysers see the lazy names)
+    from kmp import callbacks, compat, data, datasets, distributed, hardware, layers  # noqa: F401
+    from kmp.auditing import AuditReport, audit  # noqa: F401
+    from kmp.gpu import configure_gpus  # noqa: F401
+    from kmp.layers import Float32Output, float32_outputs  # noqa: F401
+    from kmp.optimizer import wrap_optimizer  # noqa: F401
+    from kmp.policy import PolicyChoice, current_policy, disable, enable, policy_scope  # noqa: F401
 
 
 def __getattr__(name: str) -> _Any:

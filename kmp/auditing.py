@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
 
 import keras
 
@@ -115,8 +114,14 @@ class AuditReport:
     def __str__(self) -> str:
         headers = ("layer", "class", "compute", "variables", "output", "params")
         table = [headers] + [
-            (r.name, r.class_name, r.compute_dtype, r.variable_dtype, r.output_dtype,
-             f"{r.params:,}")
+            (
+                r.name,
+                r.class_name,
+                r.compute_dtype,
+                r.variable_dtype,
+                r.output_dtype,
+                f"{r.params:,}",
+            )
             for r in self.rows
         ]
         widths = [max(len(str(row[i])) for row in table) for i in range(len(headers))]
@@ -160,7 +165,7 @@ def _variable_dtype(layer: keras.layers.Layer) -> str:
 
 
 def _model_output_layers(model: keras.Model) -> set[int]:
-    """ids of the layers (innermost, through nested models) producing model outputs."""
+    """Ids of the layers (innermost, through nested models) producing model outputs."""
     ids: set[int] = set()
     try:
         outputs = keras.tree.flatten(model.outputs)
@@ -221,37 +226,53 @@ def audit(model: keras.Model) -> AuditReport:
         is_head = isinstance(layer, Float32Output)
         activation = _activation_of(layer)
         if compute in LOW and activation in _RISKY_ACTIVATIONS and id(layer) in output_layer_ids:
-            findings.append(Finding(
-                "error", "low-precision-activation", path,
-                f"{activation} producing a model output is computed in {compute}: "
-                "probabilities and the loss lose precision. Use kmp.float32_outputs(model) "
-                "(or end with kmp.layers.Float32Output('" + activation + "') after logits).",
-            ))
+            findings.append(
+                Finding(
+                    "error",
+                    "low-precision-activation",
+                    path,
+                    f"{activation} producing a model output is computed in {compute}: "
+                    "probabilities and the loss lose precision. Use kmp.float32_outputs(model) "
+                    "(or end with kmp.layers.Float32Output('" + activation + "') after logits).",
+                )
+            )
         low_vars = sorted({str(v.dtype) for v in layer.weights if str(v.dtype) in LOW})
         if low_vars:
-            findings.append(Finding(
-                "error", "low-precision-variables", path,
-                f"variables stored in {', '.join(low_vars)}: no float32 master weights, so "
-                "small updates are lost. Use a mixed_* policy (float32 variables) instead of "
-                f"{layer.dtype_policy.name!r}.",
-            ))
+            findings.append(
+                Finding(
+                    "error",
+                    "low-precision-variables",
+                    path,
+                    f"variables stored in {', '.join(low_vars)}: no float32 master weights, so "
+                    "small updates are lost. Use a mixed_* policy (float32 variables) instead of "
+                    f"{layer.dtype_policy.name!r}.",
+                )
+            )
         if (
             compute in LOW
             and type(layer).__name__.endswith("Normalization")
             and not isinstance(layer, _UPCASTING_NORMS)
         ):
-            findings.append(Finding(
-                "warning", "low-precision-norm", path,
-                f"{type(layer).__name__} computes its statistics in {compute}; mean and "
-                "variance overflow or lose precision there. Give it dtype='float32' or "
-                "upcast inside the layer.",
-            ))
+            findings.append(
+                Finding(
+                    "warning",
+                    "low-precision-norm",
+                    path,
+                    f"{type(layer).__name__} computes its statistics in {compute}; mean and "
+                    "variance overflow or lose precision there. Give it dtype='float32' or "
+                    "upcast inside the layer.",
+                )
+            )
         if layer.dtype_policy.name != global_policy and not is_head:
-            findings.append(Finding(
-                "warning", "policy-mismatch", path,
-                f"dtype policy {layer.dtype_policy.name!r} differs from the global "
-                f"{global_policy!r} (built before kmp.enable(), or given dtype=...).",
-            ))
+            findings.append(
+                Finding(
+                    "warning",
+                    "policy-mismatch",
+                    path,
+                    f"dtype policy {layer.dtype_policy.name!r} differs from the global "
+                    f"{global_policy!r} (built before kmp.enable(), or given dtype=...).",
+                )
+            )
         if (
             mixed
             and compute == "float32"
@@ -259,12 +280,16 @@ def audit(model: keras.Model) -> AuditReport:
             and params >= _LARGE_LAYER_PARAMS
             and params >= _LARGE_LAYER_FRACTION * total_params
         ):
-            findings.append(Finding(
-                "warning", "float32-large-layer", path,
-                f"{params:,} parameters ({params / total_params:.0%} of the model) computed in "
-                "float32 under a mixed policy: this layer does not get the mixed-precision "
-                "speed-up. Keep only the output activation in float32 (Float32Output).",
-            ))
+            findings.append(
+                Finding(
+                    "warning",
+                    "float32-large-layer",
+                    path,
+                    f"{params:,} parameters ({params / total_params:.0%} of the model) computed in "
+                    "float32 under a mixed policy: this layer does not get the mixed-precision "
+                    "speed-up. Keep only the output activation in float32 (Float32Output).",
+                )
+            )
 
     try:
         outputs = keras.tree.flatten(model.outputs)
@@ -273,11 +298,15 @@ def audit(model: keras.Model) -> AuditReport:
     for i, t in enumerate(outputs):
         if str(t.dtype) in LOW:
             layer = t._keras_history.operation
-            findings.append(Finding(
-                "error", "low-precision-output", layer.name,
-                f"model output {i} is {t.dtype}: the loss would be computed in low "
-                "precision. Use kmp.float32_outputs(model).",
-            ))
+            findings.append(
+                Finding(
+                    "error",
+                    "low-precision-output",
+                    layer.name,
+                    f"model output {i} is {t.dtype}: the loss would be computed in low "
+                    "precision. Use kmp.float32_outputs(model).",
+                )
+            )
 
     order = {"error": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda f: order[f.severity])

@@ -126,7 +126,15 @@ def parse_cpuinfo(text: str, cores: int | None = None) -> CPU:
 
 
 def parse_nvidia_smi(text: str) -> tuple[GPU, ...]:
-    """Parse ``nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader,nounits``."""
+    """Parse the output of ``nvidia-smi``.
+
+    Args:
+        text: Output of ``nvidia-smi --query-gpu=name,compute_cap,memory.total
+            --format=csv,noheader,nounits``.
+
+    Returns:
+        One :class:`GPU` per parseable line.
+    """
     gpus = []
     for line in text.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
@@ -136,7 +144,9 @@ def parse_nvidia_smi(text: str) -> tuple[GPU, ...]:
             major, minor = (int(x) for x in parts[1].split(".")[:2])
         except ValueError:
             continue
-        memory = int(float(parts[2])) if len(parts) > 2 and parts[2].replace(".", "").isdigit() else None
+        memory = (
+            int(float(parts[2])) if len(parts) > 2 and parts[2].replace(".", "").isdigit() else None
+        )
         gpus.append(GPU(parts[0], (major, minor), memory))
     return tuple(gpus)
 
@@ -159,7 +169,10 @@ def _detect_gpus() -> tuple[GPU, ...]:
         try:
             out = subprocess.run(
                 [smi, "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader,nounits"],
-                capture_output=True, text=True, timeout=20, check=True,
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
             ).stdout
             return _visible_filter(parse_nvidia_smi(out))
         except (OSError, subprocess.SubprocessError):

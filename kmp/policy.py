@@ -132,13 +132,27 @@ def _resolve(policy: str | keras.DTypePolicy, hw: _hw.Hardware | None) -> Policy
     return _choice(keras.DTypePolicy(name), "requested")
 
 
+def _set_global(policy: str | keras.DTypePolicy) -> None:
+    """Set Keras 3's global policy and, under ``TF_USE_LEGACY_KERAS=1``, tf-keras's too."""
+    keras.config.set_dtype_policy(policy)
+    from kmp.compat import keras2
+
+    if keras2.is_legacy_keras():
+        name = policy if isinstance(policy, str) else policy.name
+        keras2.set_global_policy(name)
+
+
 def _built_layers_with_other_policy(name: str) -> list[str]:
     """Names of live, built Keras layers whose policy is not ``name``."""
     found = []
     for obj in gc.get_objects():
-        if isinstance(obj, keras.layers.Layer) and getattr(obj, "built", False):
-            if obj.dtype_policy.name != name and not isinstance(obj, keras.layers.InputLayer):
-                found.append(obj.name)
+        if (
+            isinstance(obj, keras.layers.Layer)
+            and getattr(obj, "built", False)
+            and obj.dtype_policy.name != name
+            and not isinstance(obj, keras.layers.InputLayer)
+        ):
+            found.append(obj.name)
     return found
 
 
@@ -158,6 +172,9 @@ def enable(
     Returns:
         The :class:`PolicyChoice` that was set.
 
+    With ``TF_USE_LEGACY_KERAS=1`` and tf-keras installed, tf-keras's global
+    policy is set as well (see :mod:`kmp.compat.keras2`).
+
     Raises:
         ValueError: ``policy`` (or ``KMP_POLICY``) is not a known policy name.
 
@@ -169,7 +186,9 @@ def enable(
     env = os.environ.get(POLICY_ENV_VAR)
     if env:
         choice = _resolve(env, hardware)
-        choice = dataclasses.replace(choice, reason=f"{choice.reason} (from {POLICY_ENV_VAR}={env})")
+        choice = dataclasses.replace(
+            choice, reason=f"{choice.reason} (from {POLICY_ENV_VAR}={env})"
+        )
     else:
         choice = _resolve(policy, hardware)
     hw = hardware if hardware is not None else _hw.detect()
@@ -195,13 +214,13 @@ def enable(
             UserWarning,
             stacklevel=2,
         )
-    keras.config.set_dtype_policy(choice.name)
+    _set_global(choice.name)
     return choice
 
 
 def disable() -> PolicyChoice:
     """Go back to full float32 (Keras's default policy)."""
-    keras.config.set_dtype_policy("float32")
+    _set_global("float32")
     return _choice(keras.DTypePolicy("float32"), "disabled: float32 everywhere")
 
 
@@ -229,4 +248,4 @@ def policy_scope(
     try:
         yield enable(policy, hardware=hardware)
     finally:
-        keras.config.set_dtype_policy(previous)
+        _set_global(previous)

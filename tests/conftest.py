@@ -69,8 +69,15 @@ def run_workers(
         **(env or {}),
     }
     cmd = [
-        horovodrun_path(), "--gloo", "-np", str(np), "-H", f"localhost:{np}",
-        sys.executable, str(script), *args,
+        horovodrun_path(),
+        "--gloo",
+        "-np",
+        str(np),
+        "-H",
+        f"localhost:{np}",
+        sys.executable,
+        str(script),
+        *args,
     ]
     proc = subprocess.run(
         cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT

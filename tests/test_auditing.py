@@ -13,8 +13,11 @@ GPU_HW = Hardware(gpus=(GPU("a100", (8, 0)),))
 
 def softmax_model():
     return keras.Sequential(
-        [keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
-         keras.layers.Dense(3, activation="softmax")],
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(3, activation="softmax"),
+        ],
         name="planted",
     )
 
@@ -36,7 +39,9 @@ def test_passes_model_with_float32_outputs():
     assert report.findings == ()
     row = {r.name: r for r in report.rows}["dense"]
     assert (row.compute_dtype, row.variable_dtype, row.output_dtype) == (
-        "float16", "float32", "float16",
+        "float16",
+        "float32",
+        "float16",
     )
 
 
@@ -48,7 +53,8 @@ def test_pure_float16_variables_are_an_error():
 
 def test_policy_mismatch_is_flagged():
     model = softmax_model()  # built under float32
-    kmp.enable("mixed_bfloat16", hardware=GPU_HW)
+    with pytest.warns(UserWarning, match="keep the policy"):
+        kmp.enable("mixed_bfloat16", hardware=GPU_HW)
     report = kmp.audit(model)
     assert "policy-mismatch" in report.codes()
     assert report.ok  # a warning, not an error

@@ -5,8 +5,17 @@ import sys
 from kmp.commands import doctor
 
 KEYS = {
-    "kmp", "python", "platform", "tensorflow", "keras", "horovod", "tensorflow_datasets",
-    "jax", "tf_keras", "hardware", "policy",
+    "kmp",
+    "python",
+    "platform",
+    "tensorflow",
+    "keras",
+    "horovod",
+    "tensorflow_datasets",
+    "jax",
+    "tf_keras",
+    "hardware",
+    "policy",
 }
 
 

@@ -19,7 +19,12 @@ def test_parse_cpuinfo_reads_model_and_flags():
 
 def test_parse_cpuinfo_without_bf16():
     cpu = hardware.parse_cpuinfo("model name : AMD EPYC\nflags : sse2 avx2 fma\n", cores=4)
-    assert (cpu.model, cpu.avx512_bf16, cpu.amx, cpu.avx512_fp16) == ("AMD EPYC", False, False, False)
+    assert (cpu.model, cpu.avx512_bf16, cpu.amx, cpu.avx512_fp16) == (
+        "AMD EPYC",
+        False,
+        False,
+        False,
+    )
     assert not cpu.fast_bfloat16
 
 

@@ -11,8 +11,11 @@ GPU_HW = Hardware(gpus=(GPU("v100", (7, 0)),))
 
 def sequential(activation="softmax"):
     return keras.Sequential(
-        [keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
-         keras.layers.Dense(3, activation=activation)],
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(3, activation=activation),
+        ],
         name="seq",
     )
 

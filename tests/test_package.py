@@ -17,7 +17,8 @@ def test_all_matches_public_names():
         assert getattr(kmp, name) is not None, name
     # Every public non-module name in the namespace is listed, and nothing else.
     public = {
-        name for name, value in vars(kmp).items()
+        name
+        for name, value in vars(kmp).items()
         if not name.startswith("_") and not inspect.ismodule(value)
     }
     listed = {name for name in kmp.__all__ if not inspect.ismodule(getattr(kmp, name))}

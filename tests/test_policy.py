@@ -54,12 +54,13 @@ def test_mixed_gpus_follow_the_slowest():
 def test_enable_mixed_float16_dense_dtypes_and_float32_outputs():
     with pytest.warns(UserWarning, match="no GPU"):
         choice = kmp.enable("mixed_float16", hardware=NO_ACCEL)
-    assert choice == policy.PolicyChoice(
-        "mixed_float16", "float16", "float32", True, "requested"
-    )
+    assert choice == policy.PolicyChoice("mixed_float16", "float16", "float32", True, "requested")
     model = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-         keras.layers.Dense(3, activation="softmax")]
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
     )
     dense = model.layers[0]
     assert dense.compute_dtype == "float16"
@@ -85,13 +86,13 @@ def test_enable_accepts_dtype_policy_object():
 
 
 def test_unknown_name_lists_valid_names():
-    with pytest.raises(ValueError, match="mixed_float16.*mixed_bfloat16"):
+    with pytest.raises(ValueError, match=r"mixed_float16.*mixed_bfloat16"):
         kmp.enable("mixed_float8")
     assert keras.config.dtype_policy().name == "float32"
 
 
 def test_wrong_type_is_a_type_error():
-    with pytest.raises(TypeError, match="keras.DTypePolicy"):
+    with pytest.raises(TypeError, match=r"keras\.DTypePolicy"):
         kmp.enable(16)
 
 

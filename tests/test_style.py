@@ -13,6 +13,7 @@ def test_ruff_clean():
     exe = str(ruff) if ruff.exists() else shutil.which("ruff")
     if exe is None:
         pytest.skip("ruff is not installed")
-    r = subprocess.run([exe, "check", "kmp", "tests", "bench", "launch"], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [exe, "check", "kmp", "tests", "bench", "launch"], cwd=ROOT, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stdout + r.stderr

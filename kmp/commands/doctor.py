@@ -34,8 +34,14 @@ def _horovod_facts() -> dict:
     from kmp._imports import INSTALL_HINTS
 
     facts: dict = {
-        "installed": False, "version": _version("horovod"), "tensorflow_ops": False,
-        "gloo": False, "mpi": False, "nccl": False, "error": None, "install": None,
+        "installed": False,
+        "version": _version("horovod"),
+        "tensorflow_ops": False,
+        "gloo": False,
+        "mpi": False,
+        "nccl": False,
+        "error": None,
+        "install": None,
     }
     if facts["version"] is None:
         facts["error"] = "horovod is not installed"
@@ -98,8 +104,8 @@ def format_report(info: dict) -> str:
     ]
     if hvd["tensorflow_ops"]:
         lines.append(
-            f"Horovod             {hvd['version']}  (TensorFlow ops: yes, Gloo: {_yes(hvd['gloo'])}, "
-            f"MPI: {_yes(hvd['mpi'])}, NCCL: {_yes(hvd['nccl'])})"
+            f"Horovod             {hvd['version']}  (TensorFlow ops: yes, "
+            f"Gloo: {_yes(hvd['gloo'])}, MPI: {_yes(hvd['mpi'])}, NCCL: {_yes(hvd['nccl'])})"
         )
     else:
         lines.append(f"Horovod             NOT usable: {hvd['error']}")
@@ -113,7 +119,9 @@ def format_report(info: dict) -> str:
     if hw["gpus"]:
         for i, g in enumerate(hw["gpus"]):
             mem = f", {g['memory_mib']} MiB" if g["memory_mib"] else ""
-            lines.append(f"GPU {i:<16}{g['name']} (compute capability {g['compute_capability']}{mem})")
+            lines.append(
+                f"GPU {i:<16}{g['name']} (compute capability {g['compute_capability']}{mem})"
+            )
     else:
         lines.append("GPU                 none")
     lines.append(f"TPU                 {_yes(hw['tpu'])}")

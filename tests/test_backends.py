@@ -1,0 +1,52 @@
+"""The core (policies, float32 outputs, audit) runs on Keras's JAX backend too.
+
+Keras fixes its backend per process, so the core test modules are run again
+in a child pytest with ``KERAS_BACKEND=jax``.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE_TESTS = ["tests/test_policy.py", "tests/test_layers.py", "tests/test_auditing.py"]
+
+
+@pytest.mark.skipif(
+    os.environ.get("KERAS_BACKEND", "tensorflow") == "jax", reason="already on the JAX backend"
+)
+def test_core_tests_pass_on_jax_backend():
+    pytest.importorskip("jax")
+    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *CORE_TESTS,
+            "-k",
+            "not cli",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-4000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout
+    # The child really ran on JAX.
+    probe = subprocess.run(
+        [sys.executable, "-c", "import keras; print(keras.backend.backend())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert probe.stdout.strip().splitlines()[-1] == "jax"
