@@ -1,0 +1,675 @@
+"""kmp.wrap_optimizer: one process here; real Horovod ranks in two horovodrun jobs at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import keras
+import numpy as np
+import pytest
+from conftest import ROOT, requires_horovod, run_workers
+
+import kmp
+import kmp.distributed as dist
+from kmp.optimizer import DistributedLossScaleOptimizer, ScaledLearningRate, wrap_optimizer
+
+# ------------------------------------------------------------------- helpers
+
+
+def data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = (x[:, :4].argmax(1)).astype("int32")
+    return x, y
+
+
+def model_for(policy, seed=1):
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(4),
+            keras.layers.Activation("softmax", dtype="float32"),
+        ]
+    )
+
+
+def fit(model, opt, x, y, *, batch=16, epochs=1, callbacks=None):
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=False)
+    model.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks)
+    return model
+
+
+def max_diff(a, b):
+    pairs = zip(a, b, strict=True)
+    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in pairs)
+
+
+class Weights(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.rows = [self.model.get_weights()]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.rows.append(self.model.get_weights())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ("adam", r"Keras 3 optimizer instance such as keras\.optimizers\.Adam"),
+        (3, "Keras 3 optimizer instance"),
+        (None, "Keras 3 optimizer instance"),
+        (
+            keras.optimizers.Adam,
+            r"class Adam; call it first: kmp\.wrap_optimizer\(Adam\(\.\.\.\)\)",
+        ),
+    ],
+)
+def test_not_an_optimizer(bad, match):
+    with pytest.raises(TypeError, match=match):
+        wrap_optimizer(bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"compression": "zip"}, ValueError, r"Unknown compression 'zip'.*'fp16'"),
+        ({"compression": "int8"}, ValueError, "Unknown compression"),
+        ({"loss_scale": "dyn"}, ValueError, r"Unknown loss_scale 'dyn'.*'dynamic'"),
+        ({"loss_scale": 0}, ValueError, r"positive finite number.*None to turn loss scaling off"),
+        ({"loss_scale": -8.0}, ValueError, "positive finite number"),
+        ({"loss_scale": float("inf")}, ValueError, "positive finite number"),
+        ({"loss_scale": float("nan")}, ValueError, "positive finite number"),
+        ({"loss_scale": True}, TypeError, "loss_scale must be"),
+        ({"loss_scale": [2.0]}, TypeError, "loss_scale must be"),
+        ({"initial_scale": 0}, ValueError, "`initial_scale` must be a positive finite number"),
+        ({"initial_scale": -1.0}, ValueError, "initial_scale"),
+        ({"initial_scale": float("inf")}, ValueError, "initial_scale"),
+        ({"growth_interval": 0}, ValueError, "`growth_interval` must be a positive integer"),
+        ({"growth_interval": 2.5}, ValueError, "growth_interval"),
+        ({"growth_interval": True}, ValueError, "growth_interval"),
+        ({"backward_passes_per_step": 0}, ValueError, "`backward_passes_per_step` must be a pos"),
+        ({"backward_passes_per_step": -2}, ValueError, "backward_passes_per_step"),
+        ({"backward_passes_per_step": 2.0}, ValueError, "backward_passes_per_step"),
+        ({"scale_lr": "yes"}, TypeError, "scale_lr must be True or False"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        wrap_optimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_horovod_optimizer_is_refused():
+    fake = type("_DistributedOptimizer", (keras.optimizers.Adam,), {"__module__": "horovod._keras"})
+    with pytest.raises(ValueError, match=r"Horovod's DistributedOptimizer.*plain Keras optimizer"):
+        wrap_optimizer(fake())
+
+
+def test_horovod_optimizer_inside_keras_loss_scaling_is_refused():
+    fake = type("_DistributedOptimizer", (keras.optimizers.Adam,), {"__module__": "horovod._keras"})
+    with pytest.raises(ValueError, match="Horovod's DistributedOptimizer"):
+        wrap_optimizer(keras.optimizers.LossScaleOptimizer(fake()))
+
+
+def test_inner_loss_scale_factor_is_refused():
+    with pytest.raises(ValueError, match=r"loss_scale_factor=64.*pass loss_scale=64"):
+        wrap_optimizer(keras.optimizers.SGD(loss_scale_factor=64.0))
+
+
+def test_apply_before_build_needs_variables():
+    opt = wrap_optimizer(keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="pass the variables on the first call"):
+        opt.apply([np.ones(2, "float32")])
+
+
+def test_gradient_count_must_match():
+    v = [keras.Variable(np.zeros(2, "float32")), keras.Variable(np.zeros(3, "float32"))]
+    opt = wrap_optimizer(keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="2 gradients for 1 variables"):
+        opt.apply([np.ones(2, "float32"), np.ones(3, "float32")], v[:1])
+
+
+def test_many_ranks_need_the_tensorflow_backend(monkeypatch):
+    monkeypatch.setattr(dist, "size", lambda: 2)
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(RuntimeError, match="only on the TensorFlow backend"):
+        wrap_optimizer(keras.optimizers.SGD())
+
+
+def test_tf_distribute_strategy_is_refused_with_many_ranks():
+    import tensorflow as tf
+
+    opt = wrap_optimizer(keras.optimizers.SGD())
+    with (
+        tf.distribute.MirroredStrategy(["/cpu:0"]).scope(),
+        pytest.raises(RuntimeError, match=r"do not also use a tf\.distribute strategy"),
+    ):
+        opt._check_runtime(2)
+
+
+def test_tf_keras_optimizer_goes_to_the_keras2_path(monkeypatch):
+    calls = {}
+
+    def fake_wrap(optimizer, **kwargs):
+        calls.update(kwargs, optimizer=optimizer)
+        return "wrapped by keras2"
+
+    monkeypatch.setitem(
+        sys.modules, "kmp.compat.keras2", types.SimpleNamespace(wrap_optimizer=fake_wrap)
+    )
+    legacy = type("Adam", (), {"__module__": "tf_keras.src.optimizers.adam"})()
+    out = wrap_optimizer(legacy, loss_scale=128.0, compression="fp16", scale_lr=True)
+    assert out == "wrapped by keras2"
+    assert calls["optimizer"] is legacy
+    assert calls["loss_scale"] == 128.0 and calls["compression"] == "fp16" and calls["scale_lr"]
+    assert calls["backward_passes_per_step"] == 1
+
+
+# ---------------------------------------------------------------- idempotence
+
+
+def test_wrapping_twice_returns_the_same_optimizer():
+    opt = wrap_optimizer(keras.optimizers.Adam(), compression="fp16", growth_interval=10)
+    assert wrap_optimizer(opt) is opt
+    assert wrap_optimizer(opt, compression="fp16", growth_interval=10) is opt
+    with pytest.raises(ValueError, match=r"already wrapped.*compression='bf16'.*inner_optimizer"):
+        wrap_optimizer(opt, compression="bf16")
+
+
+def test_keras_loss_scale_optimizer_is_unwrapped_and_rewrapped():
+    adam = keras.optimizers.Adam()
+    lso = keras.optimizers.LossScaleOptimizer(adam, initial_scale=256.0, dynamic_growth_steps=7)
+    opt = wrap_optimizer(lso)
+    assert isinstance(opt, DistributedLossScaleOptimizer)
+    assert opt.inner_optimizer is adam
+    assert (opt.initial_scale, opt.dynamic_growth_steps) == (256.0, 7)
+    assert (
+        wrap_optimizer(keras.optimizers.LossScaleOptimizer(adam), initial_scale=8.0).initial_scale
+        == 8.0
+    )
+
+
+def test_compile_does_not_wrap_a_second_time():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = model_for("mixed_float16")
+    opt = wrap_optimizer(keras.optimizers.Adam())
+    model.compile(optimizer=opt, loss="mse", auto_scale_loss=True)
+    assert model.optimizer is opt
+    plain = model_for("mixed_float16")
+    plain.compile(optimizer=keras.optimizers.Adam(), loss="mse")
+    assert type(plain.optimizer) is keras.optimizers.LossScaleOptimizer  # Keras's own, for contrast
+
+
+def test_same_training_as_hand_wired_keras_loss_scaling():
+    """Loss scaled once, not twice: identical to Keras's LossScaleOptimizer, step for step."""
+    x, y = data()
+    ours = model_for("mixed_float16")
+    start = ours.get_weights()
+    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), growth_interval=3)
+    fit(ours, opt, x, y, epochs=2)
+    ref = model_for("mixed_float16")
+    ref.set_weights(start)
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2), dynamic_growth_steps=3)
+    fit(ref, lso, x, y, epochs=2)
+    assert max_diff(ours.get_weights(), ref.get_weights()) == 0.0
+    assert opt.loss_scale == float(lso.dynamic_scale.numpy()) == 2.0**15 * 4
+    assert max_diff(ours.get_weights(), start) > 1e-3
+
+
+# ------------------------------------------------------------ loss-scale modes
+
+
+@pytest.mark.parametrize(
+    ("policy", "loss_scale", "mode", "scale"),
+    [
+        ("float32", "dynamic", "none", 1.0),
+        ("mixed_bfloat16", "dynamic", "none", 1.0),
+        ("mixed_float16", "dynamic", "dynamic", 2.0**15),
+        ("float32", "force_dynamic", "dynamic", 2.0**15),
+        ("mixed_float16", 512, "static", 512.0),
+        ("mixed_float16", None, "none", 1.0),
+    ],
+)
+def test_mode_follows_policy_and_argument(policy, loss_scale, mode, scale):
+    keras.config.set_dtype_policy(policy)
+    opt = wrap_optimizer(keras.optimizers.SGD(), loss_scale=loss_scale)
+    assert opt.loss_scale_mode == mode
+    assert opt.loss_scale == scale
+    assert opt.skipped_steps == 0
+
+
+def test_mode_is_decided_on_first_use_not_at_wrap_time():
+    opt = wrap_optimizer(keras.optimizers.SGD())  # float32 policy now ...
+    keras.config.set_dtype_policy("mixed_float16")  # ... float16 by the time the model trains
+    assert opt.loss_scale_mode == "dynamic"
+
+
+def test_no_scaling_is_free():
+    opt = wrap_optimizer(keras.optimizers.SGD(), loss_scale=None)
+    loss = keras.ops.convert_to_tensor(2.5)
+    assert opt.scale_loss(loss) is loss
+    assert (
+        keras.ops.convert_to_numpy(
+            wrap_optimizer(keras.optimizers.SGD(), loss_scale=4.0).scale_loss(loss)
+        )
+        == 10.0
+    )
+
+
+def test_unscaled_training_is_exactly_the_inner_optimizer():
+    x, y = data()
+    a = model_for("float32")
+    start = a.get_weights()
+    fit(a, wrap_optimizer(keras.optimizers.Adam(1e-2)), x, y, epochs=2)
+    b = model_for("float32")
+    b.set_weights(start)
+    fit(b, keras.optimizers.Adam(1e-2), x, y, epochs=2)
+    assert max_diff(a.get_weights(), b.get_weights()) == 0.0
+
+
+def test_static_scale_stays_and_skips_non_finite_steps():
+    x, y = data()
+    x[16:32] = 1e30  # overflows float16: the second step is not finite
+    model = model_for("mixed_float16")
+    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), loss_scale=128)
+    rec = Weights()
+    fit(model, opt, x, y, callbacks=[rec])
+    assert opt.loss_scale == 128.0
+    assert opt.skipped_steps == 1
+    assert int(opt.iterations) == 3
+    assert max_diff(rec.rows[2], rec.rows[1]) == 0.0
+    assert max_diff(rec.rows[3], rec.rows[2]) > 0.0
+
+
+def test_dynamic_scale_grows_and_halves():
+    x, y = data(96)
+    x[48:64] = 1e30  # step 4 of 6 overflows
+    model = model_for("mixed_float16")
+    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), initial_scale=64, growth_interval=2)
+    scales = []
+
+    class Scale(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            scales.append(opt.loss_scale)
+
+    fit(model, opt, x, y, callbacks=[Scale()])
+    # finite, finite (x2), finite, overflow (/2, counter reset), finite, finite (x2)
+    assert scales == [64.0, 128.0, 128.0, 64.0, 64.0, 128.0]
+    assert opt.skipped_steps == 1
+    assert int(opt.iterations) == 5
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+# ---------------------------------------------------------------- accumulation
+
+
+def test_accumulation_equals_the_doubled_batch():
+    x, y = data()
+    a = model_for("float32")
+    start = a.get_weights()
+    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), backward_passes_per_step=2)
+    fit(a, opt, x, y, batch=8)
+    b = model_for("float32")
+    b.set_weights(start)
+    fit(b, wrap_optimizer(keras.optimizers.Adam(1e-2)), x, y, batch=16)
+    assert int(opt.iterations) == 4
+    assert max_diff(a.get_weights(), b.get_weights()) < 1e-6
+    assert max_diff(a.get_weights(), start) > 1e-3
+
+
+def test_a_bad_micro_batch_skips_its_window_only():
+    x, y = data()
+    x[8:16] = np.inf  # micro-batch 2 = second half of window 1
+    model = model_for("float32")
+    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), backward_passes_per_step=2)
+    rec = Weights()
+    fit(model, opt, x, y, batch=8, callbacks=[rec])
+    rows = rec.rows  # rows[k] = weights after k micro-batches
+    assert max_diff(rows[2], rows[0]) == 0.0  # window 1 skipped
+    assert max_diff(rows[4], rows[2]) > 0.0  # window 2 applied
+    assert opt.skipped_steps == 1 and int(opt.iterations) == 3
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    assert all(float(np.abs(a.numpy()).max()) == 0.0 for a in opt._accumulators)
+    # Window 2 onwards is exactly a clean run that starts after the bad window.
+    clean = model_for("float32")
+    clean.set_weights(rows[2])
+    fit(
+        clean,
+        wrap_optimizer(keras.optimizers.Adam(1e-2), backward_passes_per_step=2),
+        x[16:],
+        y[16:],
+        batch=8,
+    )
+    assert max_diff(clean.get_weights(), model.get_weights()) == 0.0
+
+
+def test_accumulation_with_scaling_in_a_custom_loop():
+    import tensorflow as tf
+
+    keras.config.set_dtype_policy("mixed_float16")
+    x, y = data()
+    model = model_for("mixed_float16")
+    opt = wrap_optimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=4, growth_interval=1)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            scaled = opt.scale_loss(loss_fn(yb, model(xb, training=True)))
+        grads = tape.gradient(scaled, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+
+    for i in range(0, 64, 8):
+        step(x[i : i + 8], y[i : i + 8])
+    assert int(opt.iterations) == 2
+    assert opt.loss_scale == 2.0**17  # grew once per update, not per micro-batch
+
+
+# ------------------------------------------------------------------ scale_lr
+
+
+def test_scale_lr_multiplies_by_the_world_size(monkeypatch):
+    monkeypatch.setattr(dist, "size", lambda: 4)
+    opt = wrap_optimizer(keras.optimizers.SGD(0.01), scale_lr=True)
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.04)
+    assert wrap_optimizer(opt, scale_lr=True) is opt
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.04)  # not scaled twice
+    again = DistributedLossScaleOptimizer.from_config(opt.get_config())
+    assert float(again.learning_rate.numpy()) == pytest.approx(0.04)
+    sched = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    opt2 = wrap_optimizer(keras.optimizers.SGD(sched), scale_lr=True)
+    assert isinstance(opt2.inner_optimizer._learning_rate, ScaledLearningRate)
+    assert float(opt2.inner_optimizer._learning_rate(0)) == pytest.approx(0.4)
+
+
+def test_scale_lr_in_one_process_changes_nothing():
+    opt = wrap_optimizer(keras.optimizers.SGD(0.01), scale_lr=True)
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.01)
+
+
+# -------------------------------------------------------------- saved state
+
+
+def test_save_and_load_keep_loss_scale_state(tmp_path):
+    x, y = data()
+    x[16:32] = 1e30
+    model = model_for("mixed_float16")
+    opt = wrap_optimizer(
+        keras.optimizers.Adam(1e-2), initial_scale=1024, growth_interval=2, compression="fp16"
+    )
+    fit(model, opt, x, y, epochs=2)
+    state = (opt.loss_scale, opt.skipped_steps, int(opt.iterations))
+    assert state == (1024.0, 2, 6)
+    path = tmp_path / "m.keras"
+    model.save(path)
+    keras.config.set_dtype_policy("float32")  # the mode saved with the model wins
+    loaded = keras.saving.load_model(path)
+    lo = loaded.optimizer
+    assert isinstance(lo, DistributedLossScaleOptimizer)
+    assert (lo.loss_scale, lo.skipped_steps, int(lo.iterations)) == state
+    assert lo.loss_scale_mode == "dynamic"
+    assert lo.settings() == opt.settings()
+    # Both continue identically.
+    fit(model, opt, x, y)
+    loaded.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    assert max_diff(model.get_weights(), loaded.get_weights()) == 0.0
+    assert (lo.loss_scale, lo.skipped_steps) == (opt.loss_scale, opt.skipped_steps)
+
+
+def test_tf_checkpoint_keeps_loss_scale_state(tmp_path):
+    import tensorflow as tf
+
+    x, y = data()
+    x[0:16] = 1e30
+    model = model_for("mixed_float16")
+    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), backward_passes_per_step=2)
+    fit(model, opt, x, y)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+    saved = ckpt.write(str(tmp_path / "ckpt"))
+    state = (opt.loss_scale, opt.skipped_steps, int(opt.iterations))
+    assert state == (2.0**14, 1, 1)
+    other = model_for("mixed_float16", seed=2)
+    opt2 = wrap_optimizer(keras.optimizers.Adam(1e-2), backward_passes_per_step=2)
+    opt2.build(other.trainable_variables)
+    tf.train.Checkpoint(model=other, optimizer=opt2).read(saved).assert_consumed()
+    assert (opt2.loss_scale, opt2.skipped_steps, int(opt2.iterations)) == state
+    assert max_diff(other.get_weights(), model.get_weights()) == 0.0
+
+
+def test_config_round_trip():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    opt = wrap_optimizer(
+        keras.optimizers.Adam(3e-3), compression="bf16", backward_passes_per_step=3
+    )
+    assert opt.loss_scale_mode == "none"
+    cfg = json.loads(json.dumps(keras.saving.serialize_keras_object(opt)))
+    keras.config.set_dtype_policy("mixed_float16")
+    again = keras.saving.deserialize_keras_object(cfg)
+    assert isinstance(again, DistributedLossScaleOptimizer)
+    assert again.settings() == opt.settings()
+    assert again.loss_scale_mode == "none"  # decided once, kept
+    assert float(again.learning_rate.numpy()) == pytest.approx(3e-3)
+
+
+# -------------------------------------------------------------------- JAX
+
+JAX_SCRIPT = r"""
+import json, numpy as np, keras
+from kmp.optimizer import wrap_optimizer
+assert keras.backend.backend() == "jax"
+rng = np.random.default_rng(0)
+x = rng.normal(size=(96, 8)).astype("float32"); y = x[:, :4].argmax(1).astype("int32")
+x[48:64] = 1e30
+out = {}
+for policy, ls in (("mixed_float16", "dynamic"), ("mixed_float16", 64.0), ("float32", "dynamic")):
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(1)
+    m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(4),
+                          keras.layers.Activation("softmax", dtype="float32")])
+    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), loss_scale=ls, initial_scale=64,
+                         growth_interval=2)
+    m.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    scales = []
+    class Rec(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            # self.model syncs the JAX training state back into the variables.
+            scales.append(self.model.optimizer.loss_scale)
+    cb = Rec()
+    m.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+    out[f"{policy}/{ls}"] = {"mode": opt.loss_scale_mode, "scales": scales,
+        "skipped": opt.skipped_steps, "iterations": int(opt.iterations),
+        "finite": bool(all(np.isfinite(w).all() for w in m.get_weights()))}
+    if ls == "dynamic" and policy == "mixed_float16":
+        m.save("/tmp/kmp_jax_model.keras")
+        lo = keras.saving.load_model("/tmp/kmp_jax_model.keras").optimizer
+        out["loaded"] = [lo.loss_scale, lo.skipped_steps, int(lo.iterations)]
+try:
+    wrap_optimizer(keras.optimizers.SGD(), backward_passes_per_step=2).stateless_apply
+    o = wrap_optimizer(keras.optimizers.SGD(), backward_passes_per_step=2)
+    v = [keras.Variable(np.zeros(2, "float32"))]
+    o.build(v)
+    o.stateless_apply([w.value for w in o.variables], [np.ones(2, "float32")], [v[0].value])
+    out["accumulate_error"] = None
+except NotImplementedError as e:
+    out["accumulate_error"] = str(e)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_jax_backend_single_process_loss_scaling(tmp_path):
+    pytest.importorskip("jax")
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": "jax",
+        "PYTHONPATH": str(ROOT),
+        "JAX_PLATFORMS": "cpu",
+    }
+    for var in dist.LAUNCH_SIZE_VARS:
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", JAX_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("RESULT"))
+    out = json.loads(line[len("RESULT") :])
+    dyn = out["mixed_float16/dynamic"]
+    assert dyn["mode"] == "dynamic"
+    assert dyn["scales"] == [64.0, 128.0, 128.0, 64.0, 64.0, 128.0]
+    assert (dyn["skipped"], dyn["iterations"], dyn["finite"]) == (1, 5, True)
+    static = out["mixed_float16/64.0"]
+    assert static["mode"] == "static" and set(static["scales"]) == {64.0}
+    assert (static["skipped"], static["iterations"], static["finite"]) == (1, 5, True)
+    off = out["float32/dynamic"]
+    assert off["mode"] == "none" and set(off["scales"]) == {1.0} and off["skipped"] == 0
+    assert out["loaded"] == [128.0, 1, 5]
+    assert "gradient_accumulation_steps" in out["accumulate_error"]
+
+
+# ------------------------------------------------------- real Horovod ranks
+
+
+@pytest.fixture(scope="module")
+def training_job():
+    """One horovodrun job: bit-identical ranks, concatenated batch, custom loop."""
+    r0, r1 = run_workers("worker_opt_train.py", "identical", "concat", "loop", timeout=600)
+    return r0, r1
+
+
+@pytest.fixture(scope="module")
+def state_job():
+    """One horovodrun job: compression, overflow on one rank, accumulation, resume."""
+    return run_workers(
+        "worker_opt_train.py",
+        "compression",
+        "overflow",
+        "accumulate",
+        "resume",
+        env={"HOROVOD_TIMELINE": "DYNAMIC"},
+        timeout=600,
+    )
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
+@pytest.mark.distributed
+@pytest.mark.slow
+@requires_horovod
+def test_ranks_fed_different_data_end_bit_identical(training_job, policy):
+    for res in training_job:
+        got = res["identical"][policy]
+        assert got["spread_before_broadcast"] > 0.1  # they really started apart
+        assert got["spread"] == 0.0  # allgather max difference
+        assert got["moved"] > 1e-2  # and they really trained
+        assert got["iterations"] == 18
+        assert got["bytes_per_step"] == 4 * (8 * 32 + 32 + 32 * 4 + 4)
+    compute = {"float32": "float32", "mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
+    assert training_job[0]["identical"][policy]["compute_dtype"] == compute[policy]
+    mode = "dynamic" if policy == "mixed_float16" else "none"
+    assert training_job[0]["identical"][policy]["mode"] == mode
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@requires_horovod
+def test_plain_keras_optimizer_lets_ranks_drift(training_job):
+    """The control that shows the bit-identity check can fail."""
+    assert training_job[0]["identical"]["plain_keras_spread"] > 1e-3
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@requires_horovod
+def test_two_ranks_match_one_process_on_the_concatenated_batch(training_job):
+    for res in training_job:
+        got = res["concat"]
+        assert got["vs_reference"] < 1e-5
+        assert got["own_shard_vs_reference"] > 1e-2  # training on one shard alone differs
+        assert got["moved"] > 1e-2
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@requires_horovod
+def test_custom_loop_matches_model_fit(training_job):
+    for res in training_job:
+        got = res["loop"]
+        assert got["loop_vs_fit"] < 1e-6
+        assert got["spread"] == 0.0
+        assert got["scales"][0] == got["scales"][1] == 2.0**17
+        assert got["iterations"] == [8, 8]
+        assert got["moved"] > 1e-2
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@requires_horovod
+def test_compression_halves_the_bytes_and_trains_the_same(state_job):
+    full = 4 * (8 * 32 + 32 + 32 * 4 + 4)
+    timeline = state_job[0]["compression"]
+    assert timeline["None"]["timeline"] == {"float32": 2 * full}  # 2 steps recorded
+    assert timeline["fp16"]["timeline"] == {"float16": full}  # half the bytes, as float16
+    assert timeline["bf16"]["timeline"] == {"int16": full}  # bfloat16 bits, half the bytes
+    for res in state_job:
+        got = res["compression"]
+        assert got["None"]["bytes_per_step"] == full
+        assert got["fp16"]["bytes_per_step"] == got["bf16"]["bytes_per_step"] == full // 2
+        for comp in ("fp16", "bf16"):
+            assert got[comp]["loss"] == pytest.approx(got["None"]["loss"], rel=1e-3)
+            assert got[comp]["spread"] == 0.0
+    assert state_job[0]["compression"]["None"]["loss"] < 1.2  # it did learn (chance: 1.39)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@requires_horovod
+def test_inf_on_one_rank_makes_every_rank_skip_and_halve(state_job):
+    for res in state_job:
+        got = res["overflow"]
+        assert got["unchanged_by_bad_step"] == 0.0
+        assert min(got["changed_by_good_steps"]) > 0.0
+        assert got["scales"] == [32768.0, 32768.0, 16384.0, 16384.0]
+        assert got["skipped"] == [0, 0, 1, 1]
+        assert got["iterations"] == [1, 2, 2, 3]
+        assert got["spread"] == 0.0
+    assert state_job[0]["overflow"] == state_job[1]["overflow"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@requires_horovod
+def test_accumulation_across_ranks(state_job):
+    for res in state_job:
+        got = res["accumulate"]
+        assert got["vs_double_batch"] < 1e-6
+        assert got["iterations"] == 4 and got["spread"] == 0.0
+        bad = got["bad_window"]
+        assert (bad["skipped"], bad["iterations"]) == (1, 3)
+        assert bad["window1_unchanged"] == 0.0 and bad["later_windows_moved"] > 0.0
+        assert bad["finite"] and bad["spread"] == 0.0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@requires_horovod
+def test_save_load_resume_equals_training_straight_through(state_job):
+    for res in state_job:
+        got = res["resume"]
+        assert got["type"] == "DistributedLossScaleOptimizer"
+        assert got["state_after_load"] == got["state_saved"]
+        assert got["state_saved"][1] == 2  # the saved state includes skipped steps
+        assert got["resumed"] == got["straight"]
+        assert got["weights_diff"] == 0.0
+        assert got["spread"] == 0.0
+
+
+def test_public_name():
+    assert kmp.wrap_optimizer is wrap_optimizer
