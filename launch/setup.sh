@@ -66,6 +66,9 @@ if [ "${KMP_SETUP_FORCE:-0}" = 1 ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" !
   log "installing pinned packages (requirements.txt)"
   pip_q install -q --disable-pip-version-check --upgrade pip==25.0.1
   pip_q install -q --disable-pip-version-check -r "$ROOT/requirements.txt"
+  # tf-keras (Keras 2, for TF_USE_LEGACY_KERAS=1) without its dependencies: they would
+  # pull the full `tensorflow` wheel over tensorflow-cpu; everything it needs is there.
+  pip_q install -q --disable-pip-version-check --no-deps tf-keras==2.21.0
   pip_q install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"
   log "packages installed in $((SECONDS - t0)) s"
 fi
