@@ -259,7 +259,10 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         mode = self.loss_scale_mode
         if mode == "none":
             return grads
-        scale = float(self.loss_scale_arg) if mode == "static" else self.dynamic_scale
+        if mode == "static":
+            scale = float(self.loss_scale_arg)
+        else:
+            scale = ops.convert_to_tensor(self.dynamic_scale)  # read once
         return [
             g if g is None or self._overwrite_variable_with_gradient(v) else ops.divide(g, scale)
             for g, v in zip(grads, variables, strict=True)
@@ -327,26 +330,29 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._accumulate(grads, variables)
 
     def _update(self, grads: list, variables: list, poisoned: Any) -> None:
-        """Unscale averaged gradients, then apply them or skip the step."""
-        mode = self.loss_scale_mode
-        if mode == "none" and poisoned is None:
+        """Check the averaged (still scaled) gradients, then unscale and apply, or skip."""
+        if self.loss_scale_mode == "none" and poisoned is None:
             # No scaling: no finite check, no cond, exactly the inner optimizer.
             self.inner_optimizer.apply(grads, variables)
             return
-        unscaled = self._unscale(grads, variables)
-        finite = self.check_finite(unscaled)
+        finite = self.check_finite(grads)
         if poisoned is not None:
             finite = ops.logical_and(finite, ops.logical_not(poisoned))
-        ops.cond(finite, lambda: self._apply_finite(unscaled, variables), self._skip_step)
+        ops.cond(finite, lambda: self._apply_finite(grads, variables), self._skip_step)
 
     def _apply_finite(self, grads: list, variables: list) -> None:
-        self.inner_optimizer.apply(grads, variables)
-        if self.loss_scale_mode == "dynamic":
-            nxt = ops.add(self.step_counter, 1)
-            grow = ops.greater_equal(nxt, self.dynamic_growth_steps)
-            self.step_counter.assign(ops.where(grow, ops.zeros_like(nxt), nxt))
-            scale = ops.convert_to_tensor(self.dynamic_scale)
-            self.dynamic_scale.assign(ops.where(grow, ops.multiply(scale, 2.0), scale))
+        self.inner_optimizer.apply(self._unscale(grads, variables), variables)
+        if self.loss_scale_mode != "dynamic":
+            return
+
+        def grow() -> None:
+            self.step_counter.assign(0)
+            self.dynamic_scale.assign(ops.multiply(self.dynamic_scale, 2.0))
+
+        def count() -> None:
+            self.step_counter.assign_add(1)
+
+        ops.cond(ops.greater_equal(self.step_counter, self.dynamic_growth_steps - 1), grow, count)
 
     def _skip_step(self) -> None:
         self.skipped_steps_counter.assign_add(1)
@@ -414,13 +420,15 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         i_count = self._own_index[id(self.step_counter)]
         i_skip = self._own_index[id(self.skipped_steps_counter)]
         scale = own[i_scale] if mode == "dynamic" else float(self.loss_scale_arg)
-        unscaled = [
-            g if g is None or self._overwrite_variable_with_gradient(v) else ops.divide(g, scale)
-            for g, v in zip(grads, self._trainable_variables, strict=True)
-        ]
-        finite = self.check_finite(unscaled)
+        finite = self.check_finite(grads)
 
         def on_finite():
+            unscaled = [
+                g
+                if g is None or self._overwrite_variable_with_gradient(v)
+                else ops.divide(g, scale)
+                for g, v in zip(grads, self._trainable_variables, strict=True)
+            ]
             new_t, new_inner = self.inner_optimizer.stateless_apply(
                 inner, unscaled, trainable_variables
             )
