@@ -143,14 +143,19 @@ def _set_global(policy: str | keras.DTypePolicy) -> None:
 
 
 def _built_layers_with_other_policy(name: str) -> list[str]:
-    """Names of live, built Keras layers whose policy is not ``name``."""
+    """Names of live, built Keras layers whose policy is not ``name``.
+
+    ``Float32Output`` heads are float32 by design and not counted.
+    """
+    from kmp.layers import Float32Output
+
     found = []
     for obj in gc.get_objects():
         if (
             isinstance(obj, keras.layers.Layer)
             and getattr(obj, "built", False)
             and obj.dtype_policy.name != name
-            and not isinstance(obj, keras.layers.InputLayer)
+            and not isinstance(obj, (keras.layers.InputLayer, Float32Output))
         ):
             found.append(obj.name)
     return found

@@ -100,11 +100,6 @@ def test_notebook_index_links_every_notebook():
         assert f"]({name}.ipynb)" in index, f"notebooks/README.md does not link {name}.ipynb"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="README.md's notebooks section is pending (the tutorials section of the top-level "
-    "README links notebooks/NN_name.ipynb); once it is in, this test passes: remove this marker",
-)
 def test_readme_links_every_notebook():
     readme = (ROOT / "README.md").read_text()
     for name in NOTEBOOKS:

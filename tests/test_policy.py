@@ -162,3 +162,16 @@ def test_policy_choice_is_frozen():
     with pytest.raises(AttributeError):
         choice.name = "x"
     assert choice.to_dict()["name"] == "float32"
+
+
+def test_float32_output_heads_do_not_count_as_stale_layers():
+    import gc
+
+    keras.backend.clear_session()
+    gc.collect()
+    head = kmp.layers.Float32Output("softmax")
+    head.build((None, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kmp.enable("mixed_bfloat16", hardware=BF16_CPU)
+    assert head.compute_dtype == "float32"
