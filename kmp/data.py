@@ -251,9 +251,9 @@ def _image_hw(image_size: Any) -> tuple[int, int] | None:
     return hw  # type: ignore[return-value]
 
 
-def _epoch_seed(seed: int, epoch: Any) -> Any:
+def _epoch_seed(seed: int, epoch: int) -> int:
     """The shuffle seed of one epoch: a fixed function of (seed, epoch)."""
-    return seed * 1_000_003 + epoch
+    return (seed * 1_000_003 + epoch) % _MAX_SEED
 
 
 # ------------------------------------------------------------------ public API
@@ -284,7 +284,7 @@ def shard_spec(
     Raises:
         ValueError: Bad arguments, or too few examples for one batch per rank.
     """
-    _, size = _world(0 if size is not None else None, size)
+    size = _world(None, None)[1] if size is None else _world(0, size)[1]
     if batch_size is not None:
         _check_int(batch_size, "batch_size", 1)
     builder = open_builder(name, data_dir, download=download)
@@ -329,6 +329,7 @@ def load(
     seed: int = 0,
     epoch: int = 0,
     epochs: int | None = 1,
+    steps_per_epoch: int | None = None,
     dtype: Any = None,
     image_size: int | tuple[int, int] | None = None,
     normalize: bool = True,
@@ -354,18 +355,28 @@ def load(
         size: Number of ranks; ``kmp.distributed.size()`` when None.
         shuffle: Shuffle each epoch (False: the stored order).
         seed: Base seed, ``0 <= seed < 2**31``; epoch ``e`` is shuffled with a
-            seed that is a fixed function of ``(seed, e)``.
+            seed that is a fixed function of ``(seed, e)`` (TensorFlow combines
+            it with its global seed, e.g. from ``keras.utils.set_random_seed``,
+            so keep that the same too when resuming).
         epoch: Number of the first epoch (pass ``initial_epoch`` when resuming,
             so the resumed epochs get their own orders rather than epoch 0's).
         epochs: How many epochs the dataset yields; None repeats forever.
-            Every epoch yields exactly ``steps_per_epoch`` batches.
+            Every epoch yields exactly ``steps_per_epoch`` batches. With a
+            number, epoch ``e`` is shuffled by ``(seed, e)`` alone, so a run
+            resumed at ``epoch=k`` sees exactly the epochs an uninterrupted run
+            sees from ``k`` on. With None, the orders after the first follow
+            from ``(seed, epoch)`` but not epoch by epoch.
+        steps_per_epoch: Batches per epoch, at most :attr:`ShardSpec.steps_per_epoch`
+            (the default): fewer makes short epochs, each still a fresh
+            shuffle of the whole shard.
         dtype: Dtype of the images; the current Keras policy's compute dtype
             when None (bfloat16 under ``mixed_bfloat16``).
         image_size: Resize images to this size (int or ``(height, width)``).
         normalize: Scale pixel values from ``0..255`` to ``[0, 1]``.
         shuffle_buffer: Maximum shuffle buffer (encoded examples); the shard is
             shuffled completely when it is smaller.
-        cache: Keep the rank's encoded shard in memory after the first epoch.
+        cache: Keep the rank's decoded shard (uint8 images) in memory after the
+            first epoch; for data sets that fit in memory.
         with_ids: Also yield each example's ``tfds_id`` string (for checks).
         download: Let TFDS download and prepare a missing data set.
 
@@ -393,6 +404,18 @@ def load(
     spec = shard_spec(
         name, split, batch_size=batch_size, size=size, data_dir=data_dir, download=download
     )
+    steps = spec.steps_per_epoch
+    if steps_per_epoch is not None:
+        if batch_size is None:
+            raise ValueError("steps_per_epoch needs a batch_size (it counts batches).")
+        _check_int(steps_per_epoch, "steps_per_epoch", 1)
+        if steps_per_epoch > spec.steps_per_epoch:
+            raise ValueError(
+                f"steps_per_epoch={steps_per_epoch} is more than the "
+                f"{spec.steps_per_epoch} full batches of {batch_size} that each of "
+                f"{size} rank(s) gets from {split!r} of {name!r}; use at most that."
+            )
+        steps = steps_per_epoch
     builder = open_builder(name, data_dir, download=download)
     image_key, label_key = _image_label_keys(builder, name)
     image_feature = builder.info.features[image_key]
@@ -404,13 +427,14 @@ def load(
         decoders={image_key: tfds.decode.SkipDecoding()},
         read_config=tfds.ReadConfig(add_tfds_id=with_ids, try_autocache=False),
     )
-    if cache:
-        base = base.cache()
     shard_len = spec.num_examples // size + (1 if rank < spec.num_examples % size else 0)
     buffer = max(1, min(shuffle_buffer, shard_len))
 
-    def prepare(example: dict) -> tuple:
-        image = tf.cast(image_feature.decode_example(example[image_key]), tf.float32)
+    def decode(example: dict) -> dict:
+        return {**example, image_key: image_feature.decode_example(example[image_key])}
+
+    def convert(example: dict) -> tuple:
+        image = tf.cast(example[image_key], tf.float32)
         if hw is not None:
             image = tf.image.resize(image, hw)
         if normalize:
@@ -418,25 +442,28 @@ def load(
         out = (tf.cast(image, out_dtype), tf.cast(example[label_key], tf.int32))
         return (*out, example["tfds_id"]) if with_ids else out
 
-    def one_epoch(e: Any) -> Any:
+    if cache:  # decode once, keep the decoded shard in memory, shuffle decoded examples
+        base = base.map(decode, num_parallel_calls=tf.data.AUTOTUNE).cache()
+
+    def one_epoch(epoch_seed: int, reshuffle: bool = False) -> Any:
         ds = base
         if shuffle:
-            ds = ds.shuffle(buffer, seed=_epoch_seed(seed, e), reshuffle_each_iteration=False)
-        ds = ds.map(prepare, num_parallel_calls=tf.data.AUTOTUNE)
-        if batch_size is not None:
-            ds = ds.batch(batch_size, drop_remainder=True).take(spec.steps_per_epoch)
-        return ds
+            ds = ds.shuffle(buffer, seed=epoch_seed, reshuffle_each_iteration=reshuffle)
+        if not cache:  # shuffled while encoded (a cheap buffer), decoded after
+            ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE)
+        if batch_size is not None:  # convert whole batches: fewer, larger ops
+            ds = ds.batch(batch_size, drop_remainder=True).take(steps)
+        return ds.map(convert, num_parallel_calls=tf.data.AUTOTUNE)
 
-    if epochs == 1:
-        ds = one_epoch(epoch)
+    # Seeds are Python ints: TensorFlow's seed handling breaks on tensor seeds when the
+    # global seed is 0 (keras.utils.set_random_seed(0)), so epochs are chained in Python.
+    if epochs is None:
+        ds = one_epoch(_epoch_seed(seed, epoch), reshuffle=True).repeat()
     else:
-        starts = (
-            tf.data.Dataset.counter(start=epoch)
-            if epochs is None
-            else tf.data.Dataset.range(epoch, epoch + epochs)
-        )
-        ds = starts.flat_map(one_epoch)
+        ds = one_epoch(_epoch_seed(seed, epoch))
+        for e in range(epoch + 1, epoch + epochs):
+            ds = ds.concatenate(one_epoch(_epoch_seed(seed, e)))
     if epochs is not None:
-        per_epoch = spec.steps_per_epoch if batch_size is not None else shard_len
+        per_epoch = steps if batch_size is not None else shard_len
         ds = ds.apply(tf.data.experimental.assert_cardinality(per_epoch * epochs))
     return ds.prefetch(tf.data.AUTOTUNE)

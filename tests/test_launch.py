@@ -109,9 +109,10 @@ def test_build_command_is_an_argument_list(script):
 
 def test_kmp_settings_are_forwarded(script):
     environ = {"KMP_DATA_DIR": "/data", "KMP_POLICY": "float32", "HOME": "/root",
-               "KMP_AFFINITY": "granularity=fine"}  # fmt: skip
+               "KMP_AFFINITY": "granularity=fine", "KMP_LAUNCH_ARGS": "--gloo"}  # fmt: skip
     plan = build_command(2, script, environ=environ, policy="mixed_bfloat16")
-    # --policy overrides an inherited KMP_POLICY; OpenMP's KMP_AFFINITY is not a kmp setting.
+    # --policy overrides an inherited KMP_POLICY; OpenMP's KMP_AFFINITY and the launch
+    # scripts' KMP_LAUNCH_ARGS are not kmp settings.
     assert plan.env == {"KMP_DATA_DIR": "/data", "KMP_POLICY": "mixed_bfloat16"}
     assert build_command(1, script, environ=environ).env == {
         "KMP_DATA_DIR": "/data",
@@ -201,6 +202,12 @@ def test_dry_run_single_process(capsys, script):
 # ------------------------------------------------------------------ errors
 
 
+def test_np_defaults_to_the_slots_of_the_hosts(capsys, script):
+    cmd = dry_run(capsys, "-H", "a:2,b:3", str(script))
+    assert cmd[1:5] == ["-np", "5", "-H", "a:2,b:3"]
+    assert "give -np N" in error(capsys, str(script))
+
+
 def test_cli_errors_are_clear(capsys, script, tmp_path):
     assert "-np must be an integer >= 1" in error(capsys, "-np", "0", str(script))
     assert "does not exist" in error(capsys, "-np", "2", str(tmp_path / "missing.py"))
@@ -277,3 +284,79 @@ def test_real_single_process_launch(tmp_path):
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert (result["rank"], result["size"], result["sum"]) == (0, 1, 1)
     assert result["policy"] == "float32"
+
+
+# ------------------------------------------------------------ launch/ shell scripts
+
+
+def _script_dry_run(script: str, *args: str, env: dict[str, str] | None = None) -> list[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KMP_")}
+    full_env.update({"KMP_LAUNCH_ARGS": "--gloo --dry-run", **(env or {})})
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch" / script), *args],
+        capture_output=True, text=True, env=full_env, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return shlex.split(proc.stdout.strip().splitlines()[-1])
+
+
+def test_local_sh(script):
+    cmd = _script_dry_run("local.sh", "3", str(script), "--epochs", "2",
+                          env={"KMP_POLICY": "float32"})  # fmt: skip
+    assert cmd[0] == "KMP_POLICY=float32"
+    assert cmd[1:] == [
+        HOROVODRUN, "-np", "3", "-H", "localhost:3", "--gloo", sys.executable, str(script),
+        "--epochs", "2",
+    ]  # fmt: skip
+
+
+def test_local_sh_defaults_to_train_py():
+    cmd = _script_dry_run("local.sh", "2")
+    assert cmd[-1] == str(ROOT / "launch" / "train.py")
+
+
+def test_hostfile_sh_runs_one_process_per_slot(script, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two nodes\nnode1 slots=2\nnode2:3\n")
+    cmd = _script_dry_run("hostfile.sh", str(hostfile), str(script))
+    assert cmd[:6] == [HOROVODRUN, "-np", "5", "-H", "node1:2,node2:3", "--gloo"]
+    cmd = _script_dry_run("hostfile.sh", str(hostfile), str(script), env={"KMP_NP": "4"})
+    assert cmd[1:3] == ["-np", "4"]
+
+
+def test_hostfile_sh_reports_a_malformed_line(script, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=2\nnode2 slots=two\n")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch" / "hostfile.sh"), str(hostfile), str(script)],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "line 2 ('node2 slots=two')" in proc.stderr
+
+
+def test_slurm_sbatch_builds_a_hostfile_from_the_allocation(script, tmp_path):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    scontrol = fake_bin / "scontrol"
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "gpu01\\ngpu02\\n"\n')
+    scontrol.chmod(0o755)
+    env = {
+        "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "gpu[01-02]",
+        "SLURM_NTASKS_PER_NODE": "4",
+        "SLURM_NTASKS": "8",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+    }
+    cmd = _script_dry_run("slurm.sbatch", str(script), "--epochs", "1", env=env)
+    assert cmd[:6] == [HOROVODRUN, "-np", "8", "-H", "gpu01:4,gpu02:4", "--gloo"]
+    assert cmd[-3:] == [str(script), "--epochs", "1"]
+
+
+def test_slurm_sbatch_outside_slurm_says_so():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "launch" / "slurm.sbatch")],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "not inside a SLURM job" in proc.stderr

@@ -5,6 +5,7 @@
     kmp launch -np 4 train.py --epochs 3                  # 4 processes on this machine
     kmp launch -np 8 -H node1:4,node2:4 train.py          # two machines, 4 slots each
     kmp launch -np 8 --hostfile hosts.txt --gloo train.py
+    kmp launch --hostfile hosts.txt train.py              # -np: all slots of the hosts
     kmp launch -np 2 --policy mixed_bfloat16 --dry-run train.py   # print, do not run
     kmp launch -np 1 train.py                             # plain `python train.py`
 
@@ -75,6 +76,8 @@ _OPENMP_VARS = frozenset(
         "KMP_WARNINGS",
     }
 )
+# Read by the launch/ shell scripts themselves, not settings for the ranks.
+_LAUNCHER_VARS = frozenset({"KMP_LAUNCH_ARGS", "KMP_NP"})
 _HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 
 
@@ -204,10 +207,12 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
 def forwarded_env(environ: Mapping[str, str], policy: str | None = None) -> dict[str, str]:
     """The ``KMP_*`` settings every rank receives: those in ``environ`` plus ``KMP_POLICY``.
 
-    Intel OpenMP's own ``KMP_*`` variables (``KMP_AFFINITY``, ...) are left out:
-    they are not kmp settings (the ranks inherit them like any other variable).
+    Intel OpenMP's own ``KMP_*`` variables (``KMP_AFFINITY``, ...) and the
+    launch scripts' ``KMP_LAUNCH_ARGS`` / ``KMP_NP`` are left out: they are not
+    kmp settings (the ranks still inherit them like any other variable).
     """
-    env = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX) and k not in _OPENMP_VARS}
+    skip = _OPENMP_VARS | _LAUNCHER_VARS
+    env = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX) and k not in skip}
     if policy is not None:
         env["KMP_POLICY"] = policy
     return dict(sorted(env.items()))
@@ -328,9 +333,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--num-proc",
         dest="np",
         type=int,
-        required=True,
         metavar="N",
-        help="number of processes (1 runs the script directly, without horovodrun)",
+        help="number of processes (1 runs the script directly, without horovodrun); "
+        "default: all slots of -H/--hostfile",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
@@ -383,8 +388,11 @@ def run(args: argparse.Namespace) -> int:
             hosts = parse_hosts(args.hosts)
         else:
             hosts = None
+        if args.np is None and hosts is None:
+            raise LaunchError("give -np N (or -H/--hostfile, whose slots then set N).")
+        np_ = args.np if args.np is not None else sum(h.slots for h in hosts)
         plan = build_command(
-            args.np,
+            np_,
             args.script,
             args.script_args,
             hosts=hosts,
