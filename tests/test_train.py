@@ -1,0 +1,148 @@
+"""launch/train.py and launch/demo.py: resume, ResNet-50 on 2 ranks, the demo's target."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, requires_horovod
+
+TRAIN = ROOT / "launch" / "train.py"
+DEMO = ROOT / "launch" / "demo.py"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """Both kmp data sets prepared once, so the ranks only read them."""
+    from kmp import datasets
+
+    root = tmp_path_factory.mktemp("tfds")
+    datasets.prepare("kmp_digits", root)
+    datasets.prepare("kmp_synthetic_images", root)
+    return root
+
+
+def _env(data_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KMP_")}
+    env.update(
+        KMP_DATA_DIR=str(data_dir),
+        PYTHONPATH=str(ROOT),
+        TF_CPP_MIN_LOG_LEVEL="3",
+    )
+    return env
+
+
+def _run(argv: list[str], data_dir: Path, timeout: float = 400) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        argv, env=_env(data_dir), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, (
+        f"{' '.join(argv)} failed ({proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return proc
+
+
+def _train(data_dir: Path, *args: str, np: int = 1) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "kmp.cli", "launch", "-np", str(np)]
+    if np > 1:
+        launch.append("--gloo")
+    return _run([*launch, str(TRAIN), *args], data_dir)
+
+
+def test_bad_flags_are_clear_errors(data_dir):
+    for args, message in [
+        (["--model", "vgg"], "invalid choice: 'vgg'"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--steps-per-epoch", "0"], "--steps-per-epoch must be >= 1"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, str(TRAIN), *args],
+            env=_env(data_dir), cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_resume_after_stopping_part_way(data_dir, tmp_path):
+    """A run stopped after epoch 2 of 3 resumes at epoch 2 with its loss scale, not afresh."""
+    ckpt = tmp_path / "ckpt"
+    common = [
+        "--model", "digits_cnn", "--policy", "mixed_float16", "--epochs", "3",
+        "--steps-per-epoch", "4", "--batch-size", "16", "--checkpoint-dir", str(ckpt),
+        # Let the dynamic loss scale move within a few steps, so it is worth checking.
+        "--loss-scale-growth-interval", "2",
+    ]  # fmt: skip
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    _train(data_dir, *common, "--stop-after-epochs", "2", "--summary", str(first))
+    a = json.loads(first.read_text())
+    assert (a["initial_epoch"], a["epochs_run"], a["final_epoch"]) == (0, 2, 2)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["ckpt-0001.keras", "ckpt-0002.keras"]
+    assert a["loss_scale_start"] == 2.0**15
+    assert a["loss_scale_end"] != a["loss_scale_start"]  # 8 steps moved it
+
+    proc = _train(data_dir, *common, "--summary", str(second))
+    b = json.loads(second.read_text())
+    assert b["resumed_from"].endswith("ckpt-0002.keras")
+    assert "resumed from" in proc.stdout
+    # Same epoch counter: epoch 3 is the only one trained, and the step counter goes on.
+    assert (b["initial_epoch"], b["epochs_run"], b["final_epoch"]) == (2, 1, 3)
+    # (the optimizer counts applied updates: 4 steps per epoch minus skipped ones)
+    assert b["iterations_start"] == a["iterations_end"] == 8 - a["skipped_steps"]
+    assert b["iterations_end"] == 12 - b["skipped_steps"]
+    # Same loss scale and skipped-step count as where the first run stopped.
+    assert b["loss_scale_start"] == a["loss_scale_end"]
+    assert b["skipped_steps"] >= a["skipped_steps"]
+    assert (ckpt / "ckpt-0003.keras").exists()
+
+    # A third start finds all 3 epochs done and trains nothing.
+    third = tmp_path / "third.json"
+    _train(data_dir, *common, "--summary", str(third))
+    c = json.loads(third.read_text())
+    assert (c["initial_epoch"], c["epochs_run"]) == (3, 0)
+    assert c["loss_scale_start"] == b["loss_scale_end"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_horovod
+def test_resnet50_two_ranks_few_steps_finite_loss(data_dir, tmp_path):
+    summary = tmp_path / "resnet.json"
+    _train(
+        data_dir,
+        "--model", "resnet50", "--epochs", "1", "--steps-per-epoch", "3", "--batch-size", "4",
+        "--image-size", "64", "--compression", "fp16", "--scale-lr", "--warmup-epochs", "1",
+        "--summary", str(summary),
+        np=2,
+    )  # fmt: skip
+    s = json.loads(summary.read_text())
+    assert s["model"] == "resnet50" and s["dataset"] == "kmp_synthetic_images"
+    assert s["ranks"] == 2 and s["iterations_end"] == 3
+    assert math.isfinite(s["final_loss"])
+    # Checksums of all 23.5M trainable weights agree across ranks (BatchNormalization moving
+    # statistics follow each rank's own batches and are reported apart).
+    assert s["weights_max_diff"] == 0.0
+    assert "non_trainable_max_diff" in s
+    assert 0.0 <= s["test_accuracy"] <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_horovod
+def test_demo_reaches_its_accuracy_target_on_two_ranks(data_dir, tmp_path):
+    out = tmp_path / "demo.json"
+    proc = _run(
+        [sys.executable, str(DEMO), "--compare", "none", "--out", str(tmp_path / "logs"),
+         "--json", str(out)],
+        data_dir,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    run = result["runs"][0]
+    assert result["ok"] and "kmp demo passed" in proc.stdout
+    assert run["ranks"] == 2 and run["policy_reason"].startswith("auto")
+    assert run["test_accuracy"] >= 0.95
+    assert run["weights_max_diff"] == 0.0  # full weights allgathered: bit-identical ranks
