@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib
+import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,7 +156,13 @@ def prepare(name: str, data_dir: str | os.PathLike | None = None) -> Any:
     with _exclusive_lock(root / f".{name}.lock"):
         ready = builder(name, root)  # re-read: another process may have finished meanwhile
         if not _ready(ready):
-            with _no_progress_bars(tfds):
+            print(
+                f"kmp.datasets: preparing {name!r} in {root} (first use; generated on this "
+                "machine, nothing is downloaded)",
+                flush=True,
+            )
+            # TFDS's own messages speak of downloading; keep them out of the way.
+            with _no_progress_bars(tfds), contextlib.redirect_stdout(io.StringIO()):
                 ready.download_and_prepare(
                     download_config=tfds.download.DownloadConfig(try_download_gcs=False)
                 )
