@@ -356,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             jit_compile=False,
         )
         if path:
-            log(f"rank(s) without access to {path} start from rank 0's broadcast state")
+            print(f"rank {world.rank}: cannot read {path}; taking rank 0's state", flush=True)
     if world.rank == 0:
         report = kmp.audit(model)
         text = str(report)

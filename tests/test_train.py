@@ -68,8 +68,11 @@ def test_bad_flags_are_clear_errors(data_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
+@requires_horovod
 def test_resume_after_stopping_part_way(data_dir, tmp_path):
     """A run stopped after epoch 2 of 3 resumes at epoch 2 with its loss scale, not afresh."""
+    # The first and third runs are single processes, the second runs on 2 ranks.
     ckpt = tmp_path / "ckpt"
     common = [
         "--model", "digits_cnn", "--policy", "mixed_float16", "--epochs", "3",
@@ -85,10 +88,12 @@ def test_resume_after_stopping_part_way(data_dir, tmp_path):
     assert a["loss_scale_start"] == 2.0**15
     assert a["loss_scale_end"] != a["loss_scale_start"]  # 8 steps moved it
 
-    proc = _train(data_dir, *common, "--summary", str(second))
+    # Resume on 2 ranks: rank 0 picks the checkpoint and tells rank 1; both continue from it.
+    proc = _train(data_dir, *common, "--summary", str(second), np=2)
     b = json.loads(second.read_text())
-    assert b["resumed_from"].endswith("ckpt-0002.keras")
+    assert b["resumed_from"].endswith("ckpt-0002.keras") and b["ranks"] == 2
     assert "resumed from" in proc.stdout
+    assert b["weights_max_diff"] == 0.0
     # Same epoch counter: epoch 3 is the only one trained, and the step counter goes on.
     assert (b["initial_epoch"], b["epochs_run"], b["final_epoch"]) == (2, 1, 3)
     # (the optimizer counts applied updates: 4 steps per epoch minus skipped ones)
