@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "audit": "kmp.auditing",
     "AuditReport": "kmp.auditing",
     "wrap_optimizer": "kmp.optimizer",
+    "load_model": "kmp.saving",
     "configure_gpus": "kmp.gpu",
     "callbacks": "kmp.callbacks",
     "compat": "kmp.compat",
@@ -50,6 +51,7 @@ if _TYPE_CHECKING:  # pragma: no cover  (static analysers see the lazy names)
     from kmp.layers import Float32Output, float32_outputs  # noqa: F401
     from kmp.optimizer import wrap_optimizer  # noqa: F401
     from kmp.policy import PolicyChoice, current_policy, disable, enable, policy_scope  # noqa: F401
+    from kmp.saving import load_model  # noqa: F401
 
 
 def __getattr__(name: str) -> _Any:
