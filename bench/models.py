@@ -1,0 +1,114 @@
+"""The benchmark models and their synthetic batches, shared by the bench scripts.
+
+``digits_cnn`` is the CNN of ``launch/train.py`` (8x8 grey digits), ``cnn`` is
+the small 6-convolution CNN of ``STACK.md`` (32x32 RGB) and ``resnet50`` is
+``keras.applications.ResNet50(weights=None)`` at a chosen image size. Every
+model is returned with :func:`kmp.float32_outputs` applied, built under the
+global dtype policy in force when :func:`build` is called (call
+``kmp.enable(...)`` first).
+
+``KMP_BENCH_IMAGE_SIZE`` in the environment sets the image size of every model
+whose size is not passed explicitly; ``kmp bench --image-size`` uses it to reach
+every benchmark script (and every Horovod rank) it starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+MODELS = ("digits_cnn", "cnn", "resnet50")
+DEFAULT_IMAGE_SIZE = {"digits_cnn": 8, "cnn": 32, "resnet50": 64}
+CHANNELS = {"digits_cnn": 1, "cnn": 3, "resnet50": 3}
+# Smallest side each model accepts (its pooling must leave at least one pixel).
+MIN_IMAGE_SIZE = {"digits_cnn": 2, "cnn": 8, "resnet50": 32}
+IMAGE_SIZE_ENV = "KMP_BENCH_IMAGE_SIZE"
+
+
+def input_shape(name: str, image_size: int | None = None) -> tuple[int, int, int]:
+    """Return the ``(height, width, channels)`` input of model ``name``.
+
+    Args:
+        name: One of :data:`MODELS`.
+        image_size: Side of the square images (default: ``$KMP_BENCH_IMAGE_SIZE``, else
+            the model's own size).
+
+    Raises:
+        ValueError: Unknown model, or an image size the model cannot take.
+    """
+    if name not in MODELS:
+        raise ValueError(f"Unknown benchmark model {name!r}: use one of {', '.join(MODELS)}.")
+    if image_size is None and os.environ.get(IMAGE_SIZE_ENV):
+        try:
+            image_size = int(os.environ[IMAGE_SIZE_ENV])
+        except ValueError:
+            raise ValueError(
+                f"{IMAGE_SIZE_ENV}={os.environ[IMAGE_SIZE_ENV]!r} is not an integer: set it "
+                "to the side of the images in pixels, or unset it."
+            ) from None
+    size = DEFAULT_IMAGE_SIZE[name] if image_size is None else int(image_size)
+    if size < MIN_IMAGE_SIZE[name]:
+        raise ValueError(
+            f"{name} needs images of at least {MIN_IMAGE_SIZE[name]}x{MIN_IMAGE_SIZE[name]}, "
+            f"got {size}x{size}: pass a larger --image-size."
+        )
+    return (size, size, CHANNELS[name])
+
+
+def build(name: str, image_size: int | None = None, num_classes: int = 10):
+    """Return the uncompiled model ``name`` with float32 outputs.
+
+    Args:
+        name: One of :data:`MODELS`.
+        image_size: Side of the square input images (default as in :func:`input_shape`).
+        num_classes: Number of output classes.
+    """
+    import keras
+
+    import kmp
+
+    shape = input_shape(name, image_size)
+    inputs = keras.Input(shape=shape, name="images")
+    if name == "digits_cnn":
+        x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+        x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+        x = keras.layers.MaxPooling2D(2)(x)
+        x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
+        x = keras.layers.Flatten()(x)
+        x = keras.layers.Dense(128, activation="relu")(x)
+        outputs = keras.layers.Dense(num_classes, activation="softmax", name="probs")(x)
+        model = keras.Model(inputs, outputs, name="digits_cnn")
+    elif name == "cnn":
+        x = inputs
+        for filters in (32, 64, 128):
+            x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+            x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
+            x = keras.layers.MaxPooling2D()(x)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        outputs = keras.layers.Dense(num_classes, activation="softmax", name="probs")(x)
+        model = keras.Model(inputs, outputs, name="cnn")
+    else:
+        model = keras.applications.ResNet50(
+            weights=None, input_tensor=inputs, classes=num_classes, name="resnet50"
+        )
+    return kmp.float32_outputs(model)
+
+
+def batch(
+    name: str, batch_size: int, image_size: int | None = None, num_classes: int = 10, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return one synthetic ``(images, labels)`` batch for model ``name``.
+
+    Args:
+        name: One of :data:`MODELS`.
+        batch_size: Number of examples.
+        image_size: Side of the square images (default as in :func:`input_shape`).
+        num_classes: Labels are drawn from ``0 .. num_classes - 1``.
+        seed: Seed of the random generator.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    rng = np.random.default_rng(seed)
+    x = rng.random((batch_size, *input_shape(name, image_size)), dtype=np.float32)
+    return x, rng.integers(0, num_classes, batch_size).astype("int32")

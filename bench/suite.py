@@ -1,0 +1,559 @@
+"""The benchmark suite behind ``kmp bench``: run the parts, then judge the targets.
+
+    .venv/bin/python bench/suite.py [kmp bench options]     # same as `kmp bench ...`
+
+Each part is one script of this folder, started as a child process (Horovod
+jobs are started by the scripts themselves, so the whole run is one process
+tree). Every child writes its ``NAME.json`` / ``NAME.md`` into the output folder
+(``KMP_BENCH_RESULTS``); this module then reads them back, checks each target
+of the suite against the figures measured in this run and writes
+``summary.json``, ``summary.md`` and ``summary.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+# The models bench/policies.py can train (it has its own builders).
+POLICIES_MODELS = ("cnn", "mlp")
+# The parts' output names (NAME.json, or NAME_quick.json for some scripts under --quick).
+RESULT_NAMES = {
+    "policies": "policies",
+    "overhead": "overhead",
+    "allreduce": "allreduce",
+    "memory": "memory",
+}
+# Environment variables that would change what a benchmark measures.
+_SCRUBBED_ENV = ("KMP_POLICY",)
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One benchmark script to run: its name, the script and its arguments."""
+
+    name: str
+    script: str
+    argv: tuple[str, ...]
+    note: str = ""
+
+
+def _opt(flag: str, value: Any) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def plan(args: argparse.Namespace) -> list[Part]:
+    """Return the parts ``args`` asks for, with each script's arguments.
+
+    ``args`` carries the ``kmp bench`` options (``model``, ``steps``, ``batch``,
+    ``quick`` and ``parts``); the image size reaches the scripts through
+    ``KMP_BENCH_IMAGE_SIZE`` (see :func:`child_env`).
+    """
+    model, steps, batch, quick = args.model, args.steps, args.batch, args.quick
+    parts: list[Part] = []
+    for name in args.parts:
+        if name == "policies":
+            argv = ["--quick"] if quick else []
+            note = ""
+            if model is None or model in POLICIES_MODELS:
+                argv += ["--models", model or ("cnn" if quick else "cnn,mlp")]
+            else:
+                note = f"policies.py has no {model}; it ran its own CNN"
+                argv += ["--models", "cnn"]
+            if not quick:
+                argv += _opt("--steps", steps) + _opt("--batch", batch)
+            parts.append(Part(name, "policies.py", tuple(argv), note))
+        elif name == "overhead":
+            if quick:
+                argv = ["--model", model or "digits_cnn", "--steps", "2", "--repeats", "1"]
+                argv += ["--batch", "4"]
+            else:
+                argv = _opt("--model", model) + _opt("--steps", steps) + _opt("--batch", batch)
+            parts.append(Part(name, "overhead.py", tuple(argv)))
+        elif name == "allreduce":
+            if quick:
+                argv = ["--models", model or "digits_cnn", "--policies", "float32"]
+                argv += ["--batch", "4", "--steps", "2", "--repeats", "1", "--rounds", "1"]
+                argv += ["--skip-default", "--allreduce-iters", "3"]
+            else:
+                argv = _opt("--models", model) + _opt("--steps", steps) + _opt("--batch", batch)
+            parts.append(Part(name, "allreduce.py", tuple(argv)))
+        elif name == "memory":
+            if quick:
+                argv = ["--quick", "--model", model or "digits_cnn"]
+            else:
+                argv = _opt("--model", model) + _opt("--steps", steps) + _opt("--batch", batch)
+            parts.append(Part(name, "memory.py", tuple(argv)))
+        else:
+            raise ValueError(f"unknown benchmark part {name!r}")
+    return parts
+
+
+def child_env(out_dir: Path, image_size: int | None) -> dict[str, str]:
+    """The environment of every benchmark script: results folder, image size, quiet TF."""
+    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+    env["KMP_BENCH_RESULTS"] = str(out_dir)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    if image_size is not None:
+        env["KMP_BENCH_IMAGE_SIZE"] = str(image_size)
+    else:
+        env.pop("KMP_BENCH_IMAGE_SIZE", None)
+    return env
+
+
+# ------------------------------------------------------------------------------ run
+
+
+def run_part(part: Part, out_dir: Path, env: dict[str, str], bench_dir: Path) -> dict:
+    """Run one part, teeing its output to ``out_dir/logs/NAME.log``; return its record."""
+    script = bench_dir / part.script
+    record: dict[str, Any] = {
+        "script": part.script,
+        "argv": list(part.argv),
+        "note": part.note,
+        "status": "failed",
+        "result_file": None,
+    }
+    if not script.is_file():
+        record["error"] = f"{script} does not exist"
+        print(f"[kmp bench] {part.name}: {record['error']}", flush=True)
+        return record
+    cmd = [sys.executable, str(script), *part.argv]
+    print(f"\n[kmp bench] {part.name}: {shlex.join(cmd)}", flush=True)
+    logs = out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with (logs / f"{part.name}.log").open("w") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        returncode = proc.wait()
+    record["seconds"] = round(time.time() - start, 1)
+    record["returncode"] = returncode
+    found = find_result(out_dir, RESULT_NAMES[part.name], since=start)
+    if returncode == 0 and found is not None:
+        record["status"] = "ok"
+        record["result_file"] = found.name
+    else:
+        record["error"] = (
+            f"exit status {returncode}"
+            if returncode
+            else f"no {RESULT_NAMES[part.name]}.json was written"
+        ) + f"; see logs/{part.name}.log"
+    print(f"[kmp bench] {part.name}: {record['status']} in {record['seconds']} s", flush=True)
+    return record
+
+
+def find_result(out_dir: Path, stem: str, since: float = 0.0) -> Path | None:
+    """Return the newest ``STEM.json`` / ``STEM_quick.json`` written at or after ``since``."""
+    found = [
+        p
+        for p in (out_dir / f"{stem}_quick.json", out_dir / f"{stem}.json")
+        if p.is_file() and p.stat().st_mtime >= since - 1.0
+    ]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def load_results(out_dir: Path, records: dict[str, dict]) -> dict[str, dict]:
+    """Read back the JSON of every part that ran."""
+    results = {}
+    for name, rec in records.items():
+        if rec.get("result_file"):
+            results[name] = json.loads((out_dir / rec["result_file"]).read_text())
+    gpu = find_result(out_dir, "gpu_resnet50")
+    if gpu is not None:  # written by bench/gpu_resnet50.py on a GPU machine, if ever
+        results["gpu_resnet50"] = json.loads(gpu.read_text())
+    return results
+
+
+# -------------------------------------------------------------------------- targets
+
+
+@dataclasses.dataclass
+class Target:
+    """One target of the suite and what this run measured for it."""
+
+    name: str
+    goal: str
+    measured: str | None = None
+    value: float | None = None
+    passed: bool | None = None  # None: not measured in this run
+    why: str = ""
+
+    @property
+    def result(self) -> str:
+        """``met``, ``missed`` or ``not run``."""
+        return "not run" if self.passed is None else ("met" if self.passed else "missed")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def _load_note(res: dict) -> str:
+    load = res.get("load_average")
+    cores = (res.get("machine") or {}).get("cores")
+    if load and cores and load[0] > cores:
+        return f" The load average was {load[0]:.1f} on {cores} cores: timings are noisy."
+    return ""
+
+
+def target_auto(results: dict) -> list[Target]:
+    """The "auto" policy: >= 1.9x float32 on the CNN, and within 5% of the fastest policy."""
+    speed = Target("auto policy vs float32, CNN training throughput", ">= 1.90x")
+    near = Target("auto policy vs the fastest policy, CNN", ">= 0.95x")
+    res = results.get("policies")
+    models = (res or {}).get("models", {})
+    cnn = models.get("cnn")
+    if not cnn:
+        return [speed, near]
+    auto = cnn["auto"]
+    ratio, chosen = auto["vs_float32"], auto.get("policy", "?")
+    speed.value, speed.passed = ratio, ratio >= 1.9
+    speed.measured = f"{ratio:.2f}x (auto = {chosen})"
+    bf16, fp16 = cnn["mixed_bfloat16"]["vs_float32"], cnn["mixed_float16"]["vs_float32"]
+    bf16_hw = (res.get("machine") or {}).get("avx512_bf16") or (res.get("machine") or {}).get("amx")
+    if not speed.passed:
+        if chosen == "float32" and not bf16_hw:
+            speed.why = (
+                "auto picks float32 on a CPU without AVX512_BF16/AMX, where bfloat16 is emulated "
+                f"(mixed_bfloat16 ran at {bf16:.2f}x, mixed_float16 at {fp16:.2f}x float32 here); "
+                "the 1.9x target assumes a CPU with native bfloat16."
+            )
+        elif chosen == "float32":
+            speed.why = f"auto chose float32 although bfloat16 ran at {bf16:.2f}x float32."
+        else:
+            speed.why = f"{chosen} itself ran at only {ratio:.2f}x float32 on this machine."
+        speed.why += _load_note(res)
+    closeness = cnn.get("auto_vs_fastest")
+    if _finite(closeness):
+        near.value, near.passed = closeness, closeness >= 0.95
+        near.measured = f"{closeness:.2f}x"
+        if not near.passed:
+            fastest = max(
+                ("float32", "mixed_bfloat16", "mixed_float16"), key=lambda p: cnn[p]["vs_float32"]
+            )
+            near.why = f"{fastest} was faster than auto's choice ({chosen}) in this run."
+            near.why += _load_note(res)
+    return [speed, near]
+
+
+def overhead_ratio(res: dict | None) -> float | None:
+    """The headline kmp / Keras throughput ratio of ``overhead.json`` (None if absent)."""
+    for key in ("ratio", "ratio_best", "ratio_wall_best"):
+        value = (res or {}).get(key)
+        if _finite(value):
+            return float(value)
+    return None
+
+
+def target_overhead(results: dict) -> list[Target]:
+    """kmp.wrap_optimizer costs <= 2% against a hand-wired LossScaleOptimizer."""
+    t = Target("kmp.wrap_optimizer overhead vs Keras LossScaleOptimizer", "<= 2% (ratio >= 0.98)")
+    res = results.get("overhead")
+    ratio = overhead_ratio(res)
+    if ratio is None:
+        return [t]
+    t.value, t.passed = ratio, ratio >= 0.98
+    t.measured = f"{(1 - ratio) * 100:+.1f}% (ratio {ratio:.3f}, {res.get('policy', '?')})"
+    if not t.passed:
+        others = {
+            k: res[k]
+            for k in ("ratio_median_paired", "ratio_cpu_median_paired", "ratio_wall_best")
+            if _finite(res.get(k))
+        }
+        t.why = (
+            f"kmp's step ran at {ratio:.3f}x the speed of Keras's"
+            + (f" ({', '.join(f'{k} {v:.3f}' for k, v in others.items())})" if others else "")
+            + "."
+            + _load_note(res)
+        )
+    return [t]
+
+
+def efficiencies(res: dict | None) -> dict[str, float]:
+    """Weak-scaling efficiency per model/policy from ``allreduce.json`` (best setting)."""
+    res = res or {}
+    best = res.get("best_efficiency")
+    if isinstance(best, dict) and best:
+        out = {k: v.get("efficiency") if isinstance(v, dict) else v for k, v in best.items()}
+        return {k: v for k, v in out.items() if _finite(v)}
+    out = {}
+    for key, fig in (res.get("weak_scaling") or {}).items():
+        values = [v for k, v in fig.items() if k.endswith("efficiency") and _finite(v)]
+        if values:
+            out[key] = max(values)
+    return out
+
+
+def allreduce_figures(res: dict | None) -> dict[str, dict]:
+    """Per-model allreduce figures (``bytes/None``, ``grouped/fp16`` ...) from ``allreduce.json``.
+
+    Accepts ``allreduce_ms`` keyed by model, or by Horovod setting and then by model
+    (the label is then ``setting: model``).
+    """
+    flat: dict[str, dict] = {}
+    for key, fig in ((res or {}).get("allreduce_ms") or {}).items():
+        if not isinstance(fig, dict):
+            continue
+        if any(isinstance(v, dict) for v in fig.values()):
+            for model, inner in fig.items():
+                if isinstance(inner, dict):
+                    flat[f"{key}: {model}"] = inner
+        else:
+            flat[key] = fig
+    return flat
+
+
+def target_scaling(results: dict) -> list[Target]:
+    """2-process weak-scaling efficiency >= 0.90 (the worst model/policy counts)."""
+    t = Target("2-process weak-scaling efficiency", ">= 0.90")
+    res = results.get("allreduce")
+    effs = efficiencies(res)
+    if not effs:
+        return [t]
+    worst = min(effs, key=effs.get)
+    t.value, t.passed = effs[worst], effs[worst] >= 0.9
+    t.measured = ", ".join(f"{k} {v:.2f}" for k, v in effs.items())
+    if not t.passed:
+        cores = (res.get("machine") or {}).get("cores")
+        t.why = (
+            f"worst: {worst} at {effs[worst]:.2f}. Two ranks with one thread each share "
+            + (f"the machine's {cores} cores " if cores else "the cores ")
+            + "and its memory bandwidth, and add the allreduce (Gloo over loopback), which a "
+            "single process does not pay." + _load_note(res)
+        )
+    return [t]
+
+
+def target_compression(results: dict) -> list[Target]:
+    """fp16 / bf16 compression sends half the bytes of float32 gradients."""
+    t = Target("compressed allreduce bytes vs float32", "= 0.50x")
+    ratios = {}
+    for label, fig in allreduce_figures(results.get("allreduce")).items():
+        model = label.split(": ")[-1]
+        full = fig.get("bytes/None")
+        for comp in ("fp16", "bf16"):
+            sent = fig.get(f"bytes/{comp}")
+            if _finite(full) and full > 0 and _finite(sent):
+                ratios[f"{model} {comp}"] = sent / full
+    if not ratios:
+        return [t]
+    worst = max(ratios.values(), key=lambda r: abs(r - 0.5))
+    t.value, t.passed = worst, all(abs(r - 0.5) < 1e-6 for r in ratios.values())
+    t.measured = ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items())
+    if not t.passed:
+        t.why = "some gradients were not sent in the compressed dtype (integer or float16 ones)."
+    return [t]
+
+
+def target_memory(results: dict) -> list[Target]:
+    """Mixed-precision activation memory <= 0.6x float32, per mixed policy."""
+    res = results.get("memory")
+    out = []
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        t = Target(f"activation memory, {policy} vs float32", "<= 0.60x")
+        fig = ((res or {}).get("policies") or {}).get(policy)
+        out.append(t)
+        if not fig:
+            continue
+        measured = fig.get("retained_vs_float32")
+        counted = fig.get("activation_vs_float32")
+        value = measured if _finite(measured) else counted
+        if not _finite(value):
+            continue
+        t.value, t.passed = value, value <= 0.6
+        source = "kept for backward, measured" if _finite(measured) else "layer outputs, counted"
+        t.measured = f"{value:.2f}x ({source}; {res['model']}, batch {res['batch']})"
+        if _finite(fig.get("step_vs_float32")):
+            t.measured += f"; whole step peak {fig['step_vs_float32']:.2f}x"
+        if not t.passed:
+            if _finite(counted) and counted <= 0.6:
+                t.why = (
+                    f"the layer outputs themselves are {counted:.2f}x; what also stays for "
+                    "backward (the compute-dtype copies of the weights, float32 heads and "
+                    "losses) weighs as much as the activations at this small size."
+                )
+            else:
+                t.why = "much of this model's activation memory is computed in float32."
+    return out
+
+
+def target_gpu(results: dict) -> list[Target]:
+    """ResNet-50 on a GPU: the best mixed policy >= 2.6x float32 (only when measured)."""
+    t = Target("ResNet-50 on a GPU (JAX), best mixed policy vs float32", ">= 2.6x")
+    res = results.get("gpu_resnet50")
+    if res is None:
+        t.why = "needs a GPU: run bench/gpu_resnet50.py on one (see bench/README.md)."
+        return [t]
+    best = res.get("best_mixed_vs_float32")
+    if _finite(best) and (res.get("device") or {}).get("platform") == "gpu":
+        t.value, t.passed = best, best >= 2.6
+        t.measured = f"{best:.2f}x on {res['device'].get('device_kind', 'GPU')}"
+    else:
+        t.why = "the recorded run was not on a GPU."
+    return [t]
+
+
+TARGETS = (
+    target_auto,
+    target_overhead,
+    target_scaling,
+    target_compression,
+    target_memory,
+    target_gpu,
+)
+
+
+def judge(results: dict) -> list[Target]:
+    """Check every target against ``results`` (a part's key is missing when it did not run)."""
+    return [t for fn in TARGETS for t in fn(results)]
+
+
+# -------------------------------------------------------------------------- summary
+
+
+def _demote(md: str) -> str:
+    return "\n".join(
+        "###" + line[1:] if line.startswith("# ") else line for line in md.splitlines()
+    )
+
+
+def summary_markdown(
+    targets: list[Target], records: dict[str, dict], out_dir: Path, meta: dict
+) -> str:
+    """The Markdown summary: the targets table, then each part's own table."""
+    from _common import markdown_table
+
+    m = meta["machine"]
+    lines = [
+        "# kmp benchmark summary",
+        "",
+        f"`{meta['command']}` on {m.get('cpu')} ({m.get('cores')} cores, "
+        + ("AVX512_BF16" if m.get("avx512_bf16") else "no AVX512_BF16")
+        + ("/AMX" if m.get("amx") else "")
+        + f"), {meta['date']}, load average at the start {meta['load_average'][0]:.1f}."
+        + (" **Quick run: the figures mean nothing.**" if meta["quick"] else ""),
+        "",
+        "## Targets (ratios measured in this run)",
+        "",
+        markdown_table(
+            ["target", "goal", "measured", "result", "why"],
+            [
+                [t.name, t.goal, t.measured or "-", t.result, t.why.replace("|", "/") or "-"]
+                for t in targets
+            ],
+        ),
+    ]
+    titles = {
+        "policies": "Training throughput per policy",
+        "overhead": "Wrapper overhead",
+        "allreduce": "Allreduce and weak scaling",
+        "memory": "Memory of a training step",
+    }
+    for name, rec in records.items():
+        lines += ["", f"## {titles.get(name, name)}", ""]
+        if rec.get("note"):
+            lines += [f"Note: {rec['note']}.", ""]
+        md_file = out_dir / (Path(rec["result_file"]).stem + ".md") if rec["result_file"] else None
+        if rec["status"] == "ok" and md_file is not None and md_file.is_file():
+            lines.append(_demote(md_file.read_text().strip()))
+        else:
+            lines.append(f"Failed: {rec.get('error', 'unknown error')}.")
+    if meta.get("plot"):
+        lines += ["", f"![kmp benchmarks]({meta['plot']})"]
+    return "\n".join(lines) + "\n"
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    parts = ["kmp bench"]
+    for flag in ("model", "image_size", "steps", "batch", "only"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            parts += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.quick:
+        parts.append("--quick")
+    return " ".join(parts)
+
+
+def run_suite(args: argparse.Namespace, bench_dir: Path = HERE) -> int:
+    """Run the parts of ``args.parts`` and write the summary; return the exit status."""
+    from _common import RESULTS, machine
+
+    out_dir = args.out or (RESULTS / "quick" if args.quick else RESULTS)
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = "_quick" if args.quick else ""
+    meta = {
+        "command": _command_line(args),
+        "quick": bool(args.quick),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_average": list(os.getloadavg()),
+        "machine": machine(),
+        "scrubbed_env": [k for k in _SCRUBBED_ENV if k in os.environ],
+    }
+    env = child_env(out_dir, args.image_size)
+    records = {p.name: run_part(p, out_dir, env, bench_dir) for p in plan(args)}
+    results = load_results(out_dir, records)
+    targets = judge(results)
+
+    plot_name = f"summary{suffix}.png"
+    try:
+        import plot
+
+        plot.plot_summary(results, targets, out_dir / plot_name)
+        meta["plot"] = plot_name
+    except ImportError as exc:  # matplotlib missing
+        print(f"[kmp bench] no plot: {exc}", file=sys.stderr)
+        meta["plot"] = None
+    summary = {
+        **meta,
+        "out_dir": str(out_dir),
+        "parts": records,
+        "targets": [{**dataclasses.asdict(t), "result": t.result} for t in targets],
+    }
+    (out_dir / f"summary{suffix}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    md = summary_markdown(targets, records, out_dir, meta)
+    (out_dir / f"summary{suffix}.md").write_text(md)
+    print("\n" + md)
+    print(f"[kmp bench] written: {out_dir / f'summary{suffix}.md'}")
+    failed = [n for n, r in records.items() if r["status"] != "ok"]
+    if failed:
+        print(f"[kmp bench] failed parts: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kmp.commands import bench
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench.configure(parser)
+    args = parser.parse_args(argv)
+    args.bench_dir = args.bench_dir or HERE
+    return bench.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

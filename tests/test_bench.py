@@ -1,0 +1,366 @@
+"""`kmp bench` and the bench/ scripts: options, target judging, plot, and real quick runs.
+
+The benchmarks are never timed here: the quick runs only check that every part
+runs and writes well-formed results.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kmp.commands import bench as bench_cmd
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _load(name: str):
+    """Import a bench/ script as a module (bench/ is not a package)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _numbers(obj, path=""):
+    """Yield (path, value) for every number in a JSON tree."""
+    if isinstance(obj, bool):
+        return
+    if isinstance(obj, int | float):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _numbers(v, f"{path}/{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _numbers(v, f"{path}[{i}]")
+
+
+def _args(**kw):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench_cmd.configure(parser)
+    argv = []
+    for k, v in kw.items():
+        flag = "--" + k.replace("_", "-")
+        argv += [flag] if v is True else [flag, str(v)]
+    args = parser.parse_args(argv)
+    args.parts = bench_cmd.parse_only(args.only)
+    return args
+
+
+# ------------------------------------------------------------------ command line
+
+
+def test_parse_only_defaults_aliases_and_order():
+    assert bench_cmd.parse_only(None) == bench_cmd.PARTS
+    assert bench_cmd.parse_only("memory, scaling") == ("allreduce", "memory")
+    assert bench_cmd.parse_only("POLICIES,policy") == ("policies",)
+
+
+@pytest.mark.parametrize("value", ["speed", ",", "memory,gpu"])
+def test_parse_only_rejects_unknown_parts(value):
+    with pytest.raises(ValueError, match="policies, overhead, allreduce, memory"):
+        bench_cmd.parse_only(value)
+
+
+def test_find_bench_dir_finds_the_checkout_and_explains_a_bad_one(tmp_path):
+    assert bench_cmd.find_bench_dir() == BENCH
+    assert bench_cmd.find_bench_dir(BENCH) == BENCH
+    with pytest.raises(FileNotFoundError, match="--bench-dir"):
+        bench_cmd.find_bench_dir(tmp_path)  # an explicit folder never falls back
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps must be a positive integer"),
+        (["--model", "resnet50", "--image-size", "16"], "too small for resnet50"),
+        (["--only", "speed"], "unknown part 'speed'"),
+        (["--bench-dir", "/nonexistent"], "--bench-dir"),
+    ],
+)
+def test_bad_options_exit_2_with_a_message(argv, message, capsys, monkeypatch):
+    from kmp import cli
+
+    def never(*a, **k):  # a bad option must stop before any benchmark starts
+        raise AssertionError("the suite was loaded")
+
+    monkeypatch.setattr(bench_cmd, "_load_suite", never)
+    assert cli.main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_is_a_kmp_command():
+    from kmp import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["bench", "--quick", "--only", "memory"])
+    assert args._run is bench_cmd.run
+    assert args.quick and args.only == "memory"
+
+
+# ------------------------------------------------------------------ plan
+
+
+def test_plan_passes_the_options_to_each_script():
+    suite = _load("suite")
+    parts = {p.name: p for p in suite.plan(_args(model="cnn", steps=7, batch=16))}
+    assert list(parts) == ["policies", "overhead", "allreduce", "memory"]
+    for name, part in parts.items():
+        assert (BENCH / part.script).name == f"{name}.py"
+        argv = list(part.argv)
+        assert argv[argv.index("--steps") + 1] == "7"
+        assert argv[argv.index("--batch") + 1] == "16"
+    assert parts["allreduce"].argv[:2] == ("--models", "cnn")
+    assert "--model" in parts["memory"].argv
+
+
+def test_plan_quick_keeps_everything_tiny_and_notes_unsupported_models():
+    suite = _load("suite")
+    quick = {p.name: p for p in suite.plan(_args(quick=True, only="policies,memory"))}
+    assert set(quick) == {"policies", "memory"}
+    assert "--quick" in quick["policies"].argv and "--quick" in quick["memory"].argv
+    resnet = suite.plan(_args(model="resnet50", only="policies"))[0]
+    assert "resnet50" in resnet.note and "resnet50" not in resnet.argv
+
+
+def test_child_env_sets_results_and_image_size_and_drops_kmp_policy(tmp_path, monkeypatch):
+    suite = _load("suite")
+    monkeypatch.setenv("KMP_POLICY", "mixed_float16")
+    env = suite.child_env(tmp_path, 48)
+    assert env["KMP_BENCH_RESULTS"] == str(tmp_path)
+    assert env["KMP_BENCH_IMAGE_SIZE"] == "48"
+    assert "KMP_POLICY" not in env  # it would override every policy being compared
+    assert str(ROOT) in env["PYTHONPATH"].split(os.pathsep)
+
+
+def test_models_input_shapes_and_the_image_size_variable(monkeypatch):
+    models = _load("models")
+    assert models.input_shape("digits_cnn") == (8, 8, 1)
+    assert models.input_shape("resnet50", 96) == (96, 96, 3)
+    monkeypatch.setenv("KMP_BENCH_IMAGE_SIZE", "40")
+    assert models.input_shape("cnn") == (40, 40, 3)
+    assert models.input_shape("cnn", 16) == (16, 16, 3)  # an explicit size wins
+    with pytest.raises(ValueError, match="at least 32x32"):
+        models.input_shape("resnet50", 16)
+    with pytest.raises(ValueError, match="digits_cnn, cnn, resnet50"):
+        models.input_shape("vgg")
+    monkeypatch.setenv("KMP_BENCH_IMAGE_SIZE", "big")
+    with pytest.raises(ValueError, match="not an integer"):
+        models.input_shape("cnn")
+
+
+# ------------------------------------------------------------------ targets
+
+MACHINE = {"cpu": "test CPU", "cores": 2, "avx512_bf16": False, "amx": False}
+
+
+def _results(auto_policy="float32", bf16=0.3, eff=0.93, ratio=0.991, mem=0.53):
+    return {
+        "policies": {
+            "machine": MACHINE,
+            "models": {
+                "cnn": {
+                    "float32": {"examples_per_s": 100.0, "vs_float32": 1.0, "policy": "float32"},
+                    "mixed_bfloat16": {"vs_float32": bf16, "policy": "mixed_bfloat16"},
+                    "mixed_float16": {"vs_float32": 0.13, "policy": "mixed_float16"},
+                    "auto": {
+                        "vs_float32": 0.99 if auto_policy == "float32" else bf16,
+                        "policy": auto_policy,
+                    },
+                    "auto_vs_fastest": 0.99,
+                }
+            },
+        },
+        "overhead": {"ratio_best": ratio, "ratio_median_paired": ratio, "policy": "float32"},
+        "allreduce": {
+            "machine": MACHINE,
+            "best_efficiency": {"cnn/float32": {"efficiency": eff, "setting": "tuned"}},
+            "allreduce_ms": {
+                "tuned": {
+                    "cnn": {"bytes/None": 1000, "bytes/fp16": 500, "bytes/bf16": 500},
+                }
+            },
+        },
+        "memory": {
+            "model": "cnn",
+            "batch": 64,
+            "policies": {
+                p: {
+                    "activation_vs_float32": 0.5,
+                    "retained_vs_float32": mem,
+                    "step_vs_float32": 0.8,
+                }
+                for p in ("mixed_bfloat16", "mixed_float16")
+            },
+        },
+    }
+
+
+def test_judge_meets_targets_from_good_figures():
+    suite = _load("suite")
+    targets = suite.judge(_results(auto_policy="mixed_bfloat16", bf16=2.0))
+    results = {t.name: t.result for t in targets}
+    assert list(results.values()).count("met") == 7, results
+    gpu = next(t for t in targets if "GPU" in t.name)
+    assert gpu.result == "not run" and "gpu_resnet50.py" in gpu.why
+
+
+def test_judge_explains_each_miss():
+    suite = _load("suite")
+    targets = suite.judge(_results(eff=0.78, ratio=0.95, mem=0.7))
+    by = {t.name: t for t in targets}
+    auto = by["auto policy vs float32, CNN training throughput"]
+    assert auto.result == "missed" and "AVX512_BF16" in auto.why and "0.30x" in auto.why
+    overhead = by["kmp.wrap_optimizer overhead vs Keras LossScaleOptimizer"]
+    assert overhead.result == "missed" and math.isclose(overhead.value, 0.95)
+    assert "+5.0%" in overhead.measured
+    scaling = by["2-process weak-scaling efficiency"]
+    assert scaling.result == "missed" and "0.78" in scaling.why
+    memory = by["activation memory, mixed_float16 vs float32"]
+    assert memory.result == "missed" and "0.50x" in memory.why
+    assert by["compressed allreduce bytes vs float32"].result == "met"
+
+
+def test_judge_marks_parts_that_did_not_run():
+    suite = _load("suite")
+    targets = suite.judge({})
+    assert {t.result for t in targets} == {"not run"}
+
+
+def test_compression_target_catches_a_wrong_byte_count():
+    suite = _load("suite")
+    res = _results()
+    res["allreduce"]["allreduce_ms"] = {"cnn": {"bytes/None": 1000, "bytes/fp16": 600}}
+    (t,) = suite.target_compression(res)
+    assert t.result == "missed" and math.isclose(t.value, 0.6)
+
+
+def test_plot_writes_a_png_with_or_without_results(tmp_path):
+    suite, plot = _load("suite"), _load("plot")
+    res = _results()
+    res["memory"]["policies"]["float32"] = {"activation_vs_float32": 1.0}
+    full = plot.plot_summary(res, suite.judge(res), tmp_path / "full.png")
+    empty = plot.plot_summary({}, [], tmp_path / "empty.png")
+    for path in (full, empty):
+        assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+# ------------------------------------------------------------------ memory counting
+
+
+def test_activation_bytes_halve_under_a_mixed_policy():
+    import keras
+
+    import kmp
+
+    memory, models = _load("memory"), _load("models")
+    counted = {}
+    for policy in ("float32", "mixed_bfloat16"):
+        with kmp.policy_scope(policy):
+            model = models.build("digits_cnn")
+            counted[policy] = memory.activation_bytes(model, batch_size=10)
+        del model
+        keras.backend.clear_session()
+        gc.collect()
+    f32, bf16 = counted["float32"], counted["mixed_bfloat16"]
+    # conv 8x8x32 + 8x8x64 + pool 4x4x64 + conv 4x4x64 + flatten 1024 + dense 128 + 10 logits
+    per_example = 8 * 8 * 32 + 8 * 8 * 64 + 3 * 4 * 4 * 64 + 128 + 10
+    assert f32 == {"float32": 10 * per_example * 4}  # float32 already: no extra head
+    assert bf16 == {"bfloat16": 10 * per_example * 2, "float32": 10 * 10 * 4}  # + float32 head
+
+
+# ------------------------------------------------------------------ real quick runs
+
+
+def _run(cmd, env=None, timeout=900):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
+    env.pop("KMP_POLICY", None)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
+    out = tmp_path / "results"
+    _run([sys.executable, "-m", "kmp.cli", "bench", "--quick", "--out", str(out)])
+    summary = json.loads((out / "summary_quick.json").read_text())
+    assert summary["quick"] is True
+    assert set(summary["parts"]) == set(bench_cmd.PARTS)
+    for name, rec in summary["parts"].items():
+        assert rec["status"] == "ok", (name, rec)
+        payload = json.loads((out / rec["result_file"]).read_text())
+        numbers = list(_numbers(payload))
+        assert numbers, name
+        bad = [(p, v) for p, v in numbers if not math.isfinite(v) or v < 0]
+        assert not bad, (name, bad)
+        assert (out / "logs" / f"{name}.log").stat().st_size > 0
+    policies = json.loads((out / summary["parts"]["policies"]["result_file"]).read_text())
+    for fig in policies["models"]["cnn"].values():
+        if isinstance(fig, dict):
+            assert fig["examples_per_s"] > 0
+    memory = json.loads((out / summary["parts"]["memory"]["result_file"]).read_text())
+    for fig in memory["policies"].values():
+        assert fig["activation_bytes"] > 0 and fig["retained_bytes"] > 0
+        assert fig["step_bytes"] > 0
+    assert memory["policies"]["mixed_float16"]["activation_vs_float32"] < 1.0
+    targets = {t["name"]: t for t in summary["targets"]}
+    assert len(targets) == 8
+    measured = [t for t in targets.values() if t["result"] != "not run"]
+    assert len(measured) == 7  # all but the GPU one
+    for t in measured:
+        assert math.isfinite(t["value"]) and t["value"] > 0
+    assert (out / "summary_quick.png").read_bytes()[:8] == PNG_MAGIC
+    md = (out / "summary_quick.md").read_text()
+    assert "| target | goal | measured | result | why |" in md
+    assert md.count("## ") >= 5
+
+
+@pytest.mark.slow
+def test_gpu_resnet50_quick_runs_on_jax_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    _run(
+        [
+            sys.executable,
+            str(BENCH / "gpu_resnet50.py"),
+            "--quick",
+            "--policies",
+            "float32,mixed_float16",
+            "--out",
+            str(out),
+        ],
+        env={"KERAS_BACKEND": "jax"},
+    )
+    payload = json.loads(out.read_text())
+    assert payload["device"]["backend"] == "jax"
+    assert (payload["batch"], payload["image_size"], payload["steps"]) == (4, 32, 2)
+    pols = payload["policies"]
+    assert set(pols) == {"float32", "mixed_float16"}
+    for fig in pols.values():
+        assert fig["images_per_s"] > 0 and math.isfinite(fig["final_loss"])
+        assert fig["compilations"] in (None, 1)  # the timed steps never recompiled
+    assert pols["float32"]["vs_float32"] == 1.0
+    assert pols["mixed_float16"]["compute_dtype"] == "float16"
+    assert pols["mixed_float16"]["loss_scale"] > 1.0  # dynamic loss scaling ran
+    assert pols["float32"]["loss_scale"] == 1.0
+    assert out.with_suffix(".md").read_text().startswith("| policy | images/s |")
