@@ -32,13 +32,16 @@ def no_horovod(monkeypatch):
 
 def test_init_without_launcher_is_single_process_and_idempotent(fresh):
     assert not dist.is_initialized()
+    hvd_before = sys.modules.get("horovod.tensorflow")
     world = dist.init()
     assert world == dist.World(rank=0, size=1, local_rank=0, local_size=1, horovod=False)
     assert dist.init() is world
     assert dist.is_initialized()
     assert (dist.rank(), dist.size(), dist.local_rank(), dist.local_size()) == (0, 1, 0, 1)
     assert dist.is_chief() and not dist.uses_horovod()
-    assert "horovod.tensorflow" not in sys.modules or sys.modules["horovod.tensorflow"] is None
+    # init() outside a launcher does not import Horovod (earlier tests in this
+    # process may have imported it already).
+    assert sys.modules.get("horovod.tensorflow") is hvd_before
 
 
 def test_accessors_initialise_lazily(fresh):
@@ -113,8 +116,8 @@ def test_unknown_op_is_rejected():
         dist.allreduce(np.ones(2), op="mean")
 
 
-def test_broadcast_root_out_of_range(fresh, monkeypatch):
-    # Only checked where it matters (more than one rank); single process ignores root.
+def test_single_process_ignores_root(fresh):
+    # root is checked where it matters (more than one rank: see the worker).
     assert dist.broadcast_object(1, root=5) == 1
 
 
@@ -149,3 +152,4 @@ def test_collectives_on_two_real_ranks():
         assert res["bcast_graph"] == [2.0, 2.0, 2.0]
         assert res["bcast_object"] == {"rank": 1, "list": [1, 1]}
         assert res["payload_fp16"] * 2 == res["payload_fp32"]
+        assert "root must be a rank between 0 and 1; got 2" in res["bad_root"]

@@ -53,6 +53,11 @@ def main() -> None:
 
     out["bcast_graph"] = bcast_in_graph().numpy().tolist()
     out["bcast_object"] = dist.broadcast_object({"rank": r, "list": [r] * 2}, root=1)
+    try:
+        dist.broadcast_object(1, root=2)
+        out["bad_root"] = "no error"
+    except ValueError as exc:
+        out["bad_root"] = str(exc)
     dist.barrier()
     out["payload_fp32"] = dist.payload_bytes([y, x])
     out["payload_fp16"] = dist.payload_bytes([y, x], compression="fp16")
