@@ -15,11 +15,13 @@ It starts itself several times:
   tensor at a time, without and with fp16 / bf16 compression.
 
 Weak-scaling efficiency = (images/s of the two ranks together) / (2 x images/s of
-the single process). The two-process job runs with Horovod's defaults (unless
-``--skip-default``) and once per ``--cycle-times`` value (with the fusion
-threshold and response cache set). Single and two-process jobs alternate over
-``--rounds`` and each figure keeps its best round, so a noisy neighbour does not
-decide the result. Writes
+the single process). Because a busy machine slows two processes more than one,
+the same two-rank figure is also divided by two independent single processes
+started at the same time ("vs independent": the cost of communication alone).
+The two-process job runs with Horovod's defaults (unless ``--skip-default``)
+and once per ``--cycle-times`` value (with the fusion threshold and response
+cache set). Single and two-process jobs alternate over ``--rounds`` and each
+figure keeps its best round, so a noisy neighbour does not decide the result. Writes
 ``bench/results/allreduce.json`` and ``allreduce.md``.
 """
 
@@ -189,6 +191,19 @@ def _run(cmd: list[str], env: dict[str, str]) -> None:
         raise SystemExit(f"benchmark job failed: {' '.join(cmd[:6])} ...")
 
 
+def _run_pair(cmds: list[list[str]], env: dict[str, str]) -> None:
+    """Run independent processes at the same time (the contention-matched baseline)."""
+    procs = [
+        subprocess.Popen(c, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for c in cmds
+    ]
+    for proc, cmd in zip(procs, cmds, strict=True):
+        out, err = proc.communicate()
+        if proc.returncode != 0:
+            sys.stderr.write(out.decode()[-3000:] + err.decode()[-5000:])
+            raise SystemExit(f"benchmark job failed: {' '.join(cmd[:6])} ...")
+
+
 def _read(out: Path, n: int) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
@@ -216,12 +231,16 @@ def launch(args: argparse.Namespace) -> int:
         }
     tmp = Path(tempfile.mkdtemp(prefix="kmp-bench-"))
     single: list[dict] = []
+    pair: list[list[dict]] = []
     dual: dict[str, list[list[dict]]] = {k: [] for k in settings}
     t_start = time.time()
     for r in range(args.rounds):
         out = tmp / f"single{r}"
         _run([py, *_child_args(args, "single", out)], base)
         single.append(_read(out, 1)[0])
+        outs = [tmp / f"pair{r}_{i}" for i in range(2)]
+        _run_pair([[py, *_child_args(args, "single", o)] for o in outs], base)
+        pair.append([_read(o, 1)[0] for o in outs])
         for name, extra in settings.items():
             out = tmp / f"{name}{r}"
             cmd = [horovodrun, "--gloo", "-np", "2", "-H", "localhost:2", py,
@@ -233,7 +252,11 @@ def launch(args: argparse.Namespace) -> int:
     rows, scaling = [], {}
     for key in single[0]["train"]:
         one = max(s["train"][key]["images_per_s"] for s in single)
-        entry = {"single_images_per_s": round(one, 1)}
+        two = max(sum(p["train"][key]["images_per_s"] for p in ps) for ps in pair)
+        entry = {
+            "single_images_per_s": round(one, 1),
+            "independent_pair_images_per_s": round(two, 1),
+        }
         for name in settings:
             # Per round: the two ranks together; best round kept.
             both = max(
@@ -241,10 +264,12 @@ def launch(args: argparse.Namespace) -> int:
             )
             entry[f"{name}_2proc_images_per_s"] = round(both, 1)
             entry[f"{name}_efficiency"] = round(both / (2 * one), 3)
+            entry[f"{name}_efficiency_vs_pair"] = round(both / two, 3)
         scaling[key] = entry
-        rows.append([key, entry["single_images_per_s"]]
+        rows.append([key, entry["single_images_per_s"], entry["independent_pair_images_per_s"]]
                     + [entry[f"{n}_2proc_images_per_s"] for n in settings]
-                    + [entry[f"{n}_efficiency"] for n in settings])  # fmt: skip
+                    + [entry[f"{n}_efficiency"] for n in settings]
+                    + [entry[f"{n}_efficiency_vs_pair"] for n in settings])  # fmt: skip
 
     allreduce: dict[str, dict] = {}
     ar_rows = []
@@ -279,15 +304,18 @@ def launch(args: argparse.Namespace) -> int:
         [
             "# Allreduce and 2-process weak scaling (kmp.wrap_optimizer, Horovod Gloo)",
             f"One TensorFlow thread per process, batch {args.batch} per process; efficiency = "
-            "2-process images/s / (2 x 1-process images/s). Settings: "
+            "2-process images/s / (2 x 1-process images/s); 'vs independent' divides by two "
+            "unsynchronised single processes run at the same time instead (same core "
+            "contention, no communication). Settings: "
             + "; ".join(
                 f"{n}: " + (", ".join(f"{k}={v}" for k, v in env.items()) or "Horovod defaults")
                 for n, env in settings.items()
             ),
             markdown_table(
-                ["model/policy", "1 proc img/s"]
-                + [f"2 proc img/s ({n})" for n in settings]
-                + [f"efficiency ({n})" for n in settings],
+                ["model/policy", "1 proc img/s", "2 independent procs img/s"]
+                + [f"2 ranks img/s ({n})" for n in settings]
+                + [f"efficiency ({n})" for n in settings]
+                + [f"vs independent ({n})" for n in settings],
                 rows,
             ),
             "Allreduce of one step's gradients (2 ranks, median ms):",

@@ -128,6 +128,7 @@ def test_payload_bytes_halves_with_compression():
     assert dist.payload_bytes(grads, "bf16") == dist.payload_bytes(grads, "fp16")
 
 
+@pytest.mark.distributed
 @requires_horovod
 def test_collectives_on_two_real_ranks():
     r0, r1 = run_workers("worker_dist_collectives.py")
