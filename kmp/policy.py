@@ -145,10 +145,12 @@ def _set_global(policy: str | keras.DTypePolicy) -> None:
 def _built_layers_with_other_policy(name: str) -> list[str]:
     """Names of live, built Keras layers whose policy is not ``name``.
 
-    ``Float32Output`` heads are float32 by design and not counted.
+    ``Float32Output`` heads are float32 by design and not counted. Unreachable
+    layers (a deleted model) are collected first, so they do not count either.
     """
     from kmp.layers import Float32Output
 
+    gc.collect()
     found = []
     for obj in gc.get_objects():
         if (
@@ -167,7 +169,10 @@ def enable(
     """Set Keras's global dtype policy; call it before building the model.
 
     The environment variable ``KMP_POLICY`` overrides ``policy`` so that a
-    launcher can set one policy for every rank.
+    launcher can set one policy for every rank. With ``TF_USE_LEGACY_KERAS=1``
+    and tf-keras installed, tf-keras's global policy is set as well (see
+    :mod:`kmp.compat.keras2`). ``keras.backend.clear_session()`` resets the policy
+    to float32: call ``enable`` after it.
 
     Args:
         policy: ``"auto"`` (follow the hardware), ``"mixed_float16"``,
@@ -176,9 +181,6 @@ def enable(
 
     Returns:
         The :class:`PolicyChoice` that was set.
-
-    With ``TF_USE_LEGACY_KERAS=1`` and tf-keras installed, tf-keras's global
-    policy is set as well (see :mod:`kmp.compat.keras2`).
 
     Raises:
         ValueError: ``policy`` (or ``KMP_POLICY``) is not a known policy name.
