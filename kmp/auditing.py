@@ -164,13 +164,17 @@ def _variable_dtype(layer: keras.layers.Layer) -> str:
     return ",".join(dtypes) if dtypes else "-"
 
 
-def _model_output_layers(model: keras.Model) -> set[int]:
-    """Ids of the layers (innermost, through nested models) producing model outputs."""
-    ids: set[int] = set()
+def _model_outputs(model: keras.Model) -> list:
+    """The model's symbolic outputs, flattened; empty for a subclassed model."""
     try:
-        outputs = keras.tree.flatten(model.outputs)
+        return keras.tree.flatten(model.outputs)
     except (AttributeError, ValueError):
-        return ids
+        return []
+
+
+def _model_output_layers(outputs: list) -> set[int]:
+    """Ids of the layers (innermost, through nested models) producing ``outputs``."""
+    ids: set[int] = set()
     for t in outputs:
         layer = t._keras_history.operation
         while isinstance(layer, keras.Model) and getattr(layer, "outputs", None):
@@ -211,7 +215,8 @@ def audit(model: keras.Model) -> AuditReport:
     mixed = global_policy in ("mixed_float16", "mixed_bfloat16")
     rows: list[LayerRow] = []
     findings: list[Finding] = []
-    output_layer_ids = _model_output_layers(model)
+    outputs = _model_outputs(model)
+    output_layer_ids = _model_output_layers(outputs)
     total_params = max(model.count_params(), 1)
 
     for path, layer in _walk(model):
@@ -291,10 +296,6 @@ def audit(model: keras.Model) -> AuditReport:
                 )
             )
 
-    try:
-        outputs = keras.tree.flatten(model.outputs)
-    except (AttributeError, ValueError):
-        outputs = []
     for i, t in enumerate(outputs):
         if str(t.dtype) in LOW:
             layer = t._keras_history.operation
