@@ -60,11 +60,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--cycle-times",
         type=float,
         nargs="+",
-        default=[0.2],
-        help="HOROVOD_CYCLE_TIME values (ms) to try besides Horovod's default (1 ms)",
+        default=[5.0],
+        help="HOROVOD_CYCLE_TIME values (ms) to try besides Horovod's default (1 ms); a "
+        "longer cycle wakes Horovod's background thread less often",
     )
     p.add_argument("--fusion-mb", type=int, default=64, help="tuned HOROVOD_FUSION_THRESHOLD")
     p.add_argument("--allreduce-iters", type=int, default=30)
+    p.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=4.0,
+        help="seconds each rank waits idle while its CPU use is measured (0: skip)",
+    )
     p.add_argument("--skip-default", action="store_true", help="skip the untuned 2-process job")
     return p.parse_args(argv)
 
@@ -155,12 +162,27 @@ def allreduce_times(model_name: str, args: argparse.Namespace) -> dict:
     return out
 
 
+def idle_cpu_fraction(seconds: float) -> float:
+    """CPU seconds this process burns per wall second while it waits (all its threads).
+
+    Under Horovod this is the cost of its background thread, which wakes every
+    ``HOROVOD_CYCLE_TIME`` and coordinates with the other ranks even when no
+    tensor is waiting; on a machine whose cores all train, it is taken from them.
+    """
+    t0, c0 = time.perf_counter(), time.process_time()
+    time.sleep(seconds)
+    return (time.process_time() - c0) / (time.perf_counter() - t0)
+
+
 def run_role(args: argparse.Namespace) -> None:
     _setup_tf(args.threads)
     import kmp.distributed as dist
 
     world = dist.init()
     result = {"size": world.size, "rank": world.rank, "train": {}, "allreduce": {}}
+    if world.size > 1 and args.idle_seconds > 0:
+        dist.barrier()
+        result["idle_cpu_fraction"] = idle_cpu_fraction(args.idle_seconds)
     for model_name in args.models:
         for policy in args.policies:
             result["train"][f"{model_name}/{policy}"] = train_throughput(model_name, policy, args)
@@ -181,6 +203,7 @@ def _child_args(args: argparse.Namespace, role: str, out: Path) -> list[str]:
         "--batch", str(args.batch), "--steps", str(args.steps),
         "--repeats", str(args.repeats), "--threads", str(args.threads),
         "--allreduce-iters", str(args.allreduce_iters),
+        "--idle-seconds", str(args.idle_seconds),
     ]  # fmt: skip
 
 
@@ -287,11 +310,22 @@ def launch(args: argparse.Namespace) -> int:
                  merged[f"one_at_a_time/{c}"]]
                 for c in COMPRESSIONS
             ]  # fmt: skip
+    idle = {
+        name: round(
+            statistics.median(
+                statistics.mean(rk["idle_cpu_fraction"] for rk in ranks) for ranks in dual[name]
+            ),
+            3,
+        )
+        for name in settings
+        if all("idle_cpu_fraction" in rk for ranks in dual[name] for rk in ranks)
+    }
     best = {key: max((e[f"{n}_efficiency"], n) for n in settings) for key, e in scaling.items()}
     result = {
         "weak_scaling": scaling,
         "best_efficiency": {k: {"efficiency": v[0], "setting": v[1]} for k, v in best.items()},
         "allreduce_ms": allreduce,
+        "horovod_idle_cpu_fraction": idle,
         "target_efficiency": TARGET,
         "meets_target": all(v[0] >= TARGET for v in best.values()),
         "settings": {"horovod_env": settings, "threads_per_process": args.threads,
@@ -318,6 +352,9 @@ def launch(args: argparse.Namespace) -> int:
                 + [f"vs independent ({n})" for n in settings],
                 rows,
             ),
+            "CPU used by each rank while idle (Horovod's background thread; fraction of one "
+            "core, mean of the ranks, median of the rounds): "
+            + (", ".join(f"{n} {v:.3f}" for n, v in idle.items()) or "not measured"),
             "Allreduce of one step's gradients (2 ranks, median ms):",
             markdown_table(
                 [

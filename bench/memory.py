@@ -27,15 +27,23 @@ before TensorFlow starts; ``tf.config.experimental.reset_memory_stats`` and
 only the counted figure is given.
 
 Each policy builds the same model (``bench/models.py``) and compiles it with
-``kmp.wrap_optimizer(SGD(momentum=0.9))``. Writes ``bench/results/memory.json``
-and ``memory.md`` (``memory_quick.*`` with ``--quick``).
+``kmp.wrap_optimizer(SGD(momentum=0.9))``, in a child process of its own: the
+allocator then starts empty for every policy, so one policy's freed blocks
+cannot decide how another's tensors are placed (a BFC allocator counts a whole
+free block when it is under twice the size asked for, so a 16-bit tensor placed
+in a block a float32 run left behind would count double). Writes
+``bench/results/memory.json`` and ``memory.md`` (``memory_quick.*`` with
+``--quick``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import warnings
 
 # Before TensorFlow starts: its CPU allocator keeps statistics only in BFC mode.
@@ -168,6 +176,29 @@ def measure_policy(policy: str, args: argparse.Namespace) -> dict:
         kmp.disable()
 
 
+def _measure_in_child(policy: str, argv: list[str]) -> dict:
+    """Run :func:`measure_policy` for ``policy`` in a new Python process; return its figures."""
+    # The child gets the same options, with --policies narrowed to this one.
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--policies":
+            skip = True
+        elif not a.startswith("--policies="):
+            kept.append(a)
+    with tempfile.TemporaryDirectory(prefix="kmp-memory-") as tmp:
+        out = os.path.join(tmp, "figures.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *kept,
+               "--policies", policy, "--child-out", out]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(out):
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+            raise SystemExit(f"memory benchmark of {policy} failed (exit {proc.returncode})")
+        with open(out) as f:
+            return json.load(f)
+
+
 def _mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.2f}"
 
@@ -184,11 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="measured steps (largest counts)")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--quick", action="store_true", help="batch 4, 1 measured step")
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)  # internal: one policy -> JSON
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.steps = 4, 1
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if "float32" not in policies:
+    if "float32" not in policies and not args.child_out:
         parser.error("--policies must include float32 (the figures are ratios to it)")
     if args.batch < 1 or args.steps < 1:
         parser.error("--batch and --steps must be >= 1")
@@ -197,9 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
+    if args.child_out:  # one policy, in this fresh process
+        figures = measure_policy(policies[0], args)
+        with open(args.child_out, "w") as f:
+            json.dump(figures, f)
+        return 0
+
     import keras
 
-    figures = {p: measure_policy(p, args) for p in policies}
+    figures = {p: _measure_in_child(p, argv if argv is not None else sys.argv[1:])
+               for p in policies}  # fmt: skip
     base = figures["float32"]
     for fig in figures.values():
         for key in ("activation", "retained", "step"):

@@ -1,10 +1,12 @@
 """The benchmark models and their synthetic batches, shared by the bench scripts.
 
-``digits_cnn`` is the CNN of ``launch/train.py`` (8x8 grey digits), ``cnn`` is
-the small 6-convolution CNN of ``STACK.md`` (32x32 RGB) and ``resnet50`` is
-``keras.applications.ResNet50(weights=None)`` at a chosen image size. Every
-model is returned with :func:`kmp.float32_outputs` applied, built under the
-global dtype policy in force when :func:`build` is called (call
+``digits_cnn`` and ``resnet50`` are the models of ``launch/train.py`` (built by
+its own ``build_model``, so the benchmarks time what the reference script
+trains: the digits CNN on 8x8 grey images, ``keras.applications.ResNet50(weights=None)``
+at a chosen image size), ``cnn`` is the small 6-convolution CNN of
+``STACK.md`` (32x32 RGB) and ``mlp`` two 1024-wide dense layers on flattened
+28x28 images. Every model is returned with :func:`kmp.float32_outputs` applied,
+built under the global dtype policy in force when :func:`build` is called (call
 ``kmp.enable(...)`` first).
 
 ``KMP_BENCH_IMAGE_SIZE`` in the environment sets the image size of every model
@@ -14,20 +16,40 @@ every benchmark script (and every Horovod rank) it starts.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
-MODELS = ("digits_cnn", "cnn", "resnet50")
-DEFAULT_IMAGE_SIZE = {"digits_cnn": 8, "cnn": 32, "resnet50": 64}
-CHANNELS = {"digits_cnn": 1, "cnn": 3, "resnet50": 3}
+MODELS = ("digits_cnn", "cnn", "mlp", "resnet50")
+DEFAULT_IMAGE_SIZE = {"digits_cnn": 8, "cnn": 32, "mlp": 28, "resnet50": 64}
+CHANNELS = {"digits_cnn": 1, "cnn": 3, "mlp": 1, "resnet50": 3}
 # Smallest side each model accepts (its pooling must leave at least one pixel).
-MIN_IMAGE_SIZE = {"digits_cnn": 2, "cnn": 8, "resnet50": 32}
+MIN_IMAGE_SIZE = {"digits_cnn": 2, "cnn": 8, "mlp": 1, "resnet50": 32}
 IMAGE_SIZE_ENV = "KMP_BENCH_IMAGE_SIZE"
+TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "train.py"
 
 
-def input_shape(name: str, image_size: int | None = None) -> tuple[int, int, int]:
-    """Return the ``(height, width, channels)`` input of model ``name``.
+def _train_script() -> ModuleType:
+    """Import ``launch/train.py`` (a script, not a package module) for its ``build_model``."""
+    spec = importlib.util.spec_from_file_location("kmp_launch_train", TRAIN_SCRIPT)
+    if spec is None or spec.loader is None or not TRAIN_SCRIPT.is_file():
+        raise FileNotFoundError(
+            f"{TRAIN_SCRIPT} is missing: the digits_cnn and resnet50 benchmark models are the "
+            "ones of launch/train.py; run the benchmarks from a full kmp checkout."
+        )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def input_shape(name: str, image_size: int | None = None) -> tuple[int, ...]:
+    """Return the input shape of model ``name``.
+
+    ``(height, width, channels)``, or ``(height * width,)`` for the ``mlp``,
+    which takes flattened images.
 
     Args:
         name: One of :data:`MODELS`.
@@ -53,6 +75,8 @@ def input_shape(name: str, image_size: int | None = None) -> tuple[int, int, int
             f"{name} needs images of at least {MIN_IMAGE_SIZE[name]}x{MIN_IMAGE_SIZE[name]}, "
             f"got {size}x{size}: pass a larger --image-size."
         )
+    if name == "mlp":
+        return (size * size,)
     return (size, size, CHANNELS[name])
 
 
@@ -69,17 +93,10 @@ def build(name: str, image_size: int | None = None, num_classes: int = 10):
     import kmp
 
     shape = input_shape(name, image_size)
-    inputs = keras.Input(shape=shape, name="images")
-    if name == "digits_cnn":
-        x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
-        x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
-        x = keras.layers.MaxPooling2D(2)(x)
-        x = keras.layers.Conv2D(64, 3, padding="same", activation="relu")(x)
-        x = keras.layers.Flatten()(x)
-        x = keras.layers.Dense(128, activation="relu")(x)
-        outputs = keras.layers.Dense(num_classes, activation="softmax", name="probs")(x)
-        model = keras.Model(inputs, outputs, name="digits_cnn")
+    if name in ("digits_cnn", "resnet50"):
+        model = _train_script().build_model(name, shape, num_classes, "float32")
     elif name == "cnn":
+        inputs = keras.Input(shape=shape, name="images")
         x = inputs
         for filters in (32, 64, 128):
             x = keras.layers.Conv2D(filters, 3, padding="same", activation="relu")(x)
@@ -89,9 +106,11 @@ def build(name: str, image_size: int | None = None, num_classes: int = 10):
         outputs = keras.layers.Dense(num_classes, activation="softmax", name="probs")(x)
         model = keras.Model(inputs, outputs, name="cnn")
     else:
-        model = keras.applications.ResNet50(
-            weights=None, input_tensor=inputs, classes=num_classes, name="resnet50"
-        )
+        inputs = keras.Input(shape=shape, name="images")
+        x = keras.layers.Dense(1024, activation="relu")(inputs)
+        x = keras.layers.Dense(1024, activation="relu")(x)
+        outputs = keras.layers.Dense(num_classes, activation="softmax", name="probs")(x)
+        model = keras.Model(inputs, outputs, name="mlp")
     return kmp.float32_outputs(model)
 
 

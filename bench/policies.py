@@ -1,12 +1,15 @@
-"""Training throughput of a small CNN and an MLP under each dtype policy, in one run.
+"""Training throughput of each model under each dtype policy, in one run.
 
-    .venv/bin/python bench/policies.py [--steps 12] [--rounds 2] [--quick]
+    .venv/bin/python bench/policies.py [--models cnn,mlp] [--steps 12] [--rounds 3] [--quick]
 
-For each model, every policy (float32, mixed_bfloat16, mixed_float16 and
-"auto") trains the same architecture on the same batches for a fixed number
-of steps with ``model.train_on_batch``; the policies are interleaved over
-``--rounds`` rounds and the best round counts, so a noisy neighbour hurts all
-of them alike. Writes ``bench/results/policies.json`` and ``policies.md``.
+For each model of ``models.py`` named in ``--models`` (default: the small CNN
+and the MLP), every policy (float32, mixed_bfloat16, mixed_float16 and "auto")
+trains the same architecture, compiled the kmp way (``kmp.float32_outputs``
+and ``kmp.wrap_optimizer(SGD)``, so float16 gets its dynamic loss scaling), on
+the same batch for a fixed number of steps with ``model.train_on_batch``. The
+policies are interleaved over ``--rounds`` rounds and the best round counts, so
+a noisy neighbour hurts all of them alike. Writes ``bench/results/policies.json``
+and ``policies.md``.
 """
 
 from __future__ import annotations
@@ -19,41 +22,11 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import models
 import numpy as np
 from _common import machine, markdown_table, write_results
 
 POLICIES = ["float32", "mixed_bfloat16", "mixed_float16", "auto"]
-
-
-def build(model_name: str):
-    import keras
-
-    import kmp
-
-    if model_name == "cnn":
-        # 6 convolutions, pooled after each pair (the small CNN of STACK.md).
-        layers = [keras.Input((32, 32, 3))]
-        for filters in (32, 64, 128):
-            layers.append(keras.layers.Conv2D(filters, 3, padding="same", activation="relu"))
-            layers.append(keras.layers.Conv2D(filters, 3, padding="same", activation="relu"))
-            layers.append(keras.layers.MaxPooling2D())
-        layers += [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10, "softmax")]
-    else:
-        layers = [
-            keras.Input((784,)),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(10, "softmax"),
-        ]
-    model = kmp.float32_outputs(keras.Sequential(layers))
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="sparse_categorical_crossentropy")
-    return model
-
-
-def data(model_name: str, batch: int):
-    rng = np.random.default_rng(0)
-    shape = (batch, 32, 32, 3) if model_name == "cnn" else (batch, 784)
-    return rng.random(shape, dtype=np.float32), rng.integers(0, 10, batch)
 
 
 def time_policy(model_name: str, policy: str, steps: int, batch: int) -> tuple[float, str]:
@@ -65,8 +38,12 @@ def time_policy(model_name: str, policy: str, steps: int, batch: int) -> tuple[f
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # float16-on-CPU warning: measuring it is the point
         choice = kmp.enable(policy)
-    model = build(model_name)
-    x, y = data(model_name, batch)
+    model = models.build(model_name)
+    model.compile(
+        optimizer=kmp.wrap_optimizer(keras.optimizers.SGD(0.01)),
+        loss="sparse_categorical_crossentropy",
+    )
+    x, y = models.batch(model_name, batch)
     model.train_on_batch(x, y)  # trace and warm up
     model.train_on_batch(x, y)
     start = time.perf_counter()
@@ -82,21 +59,28 @@ def time_policy(model_name: str, policy: str, steps: int, batch: int) -> tuple[f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--models", default="cnn,mlp")
+    parser.add_argument(
+        "--models", default="cnn,mlp", help=f"comma-separated: {', '.join(models.MODELS)}"
+    )
     parser.add_argument("--quick", action="store_true", help="2 steps, 1 round, batch 8")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.rounds, args.batch = 2, 1, 8
 
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in models.MODELS]
+    if unknown or not names:
+        parser.error(f"--models {args.models!r}: use names from {', '.join(models.MODELS)}")
     results: dict = {"machine": machine(), "steps": args.steps, "batch": args.batch, "models": {}}
     rows = []
-    for model_name in args.models.split(","):
+    for model_name in names:
         best: dict[str, float] = {}
         resolved: dict[str, str] = {}
-        for _ in range(args.rounds):
-            for policy in POLICIES:
+        for r in range(args.rounds):
+            # Rotate the order each round, so no policy is always first after start-up.
+            for policy in POLICIES[r % len(POLICIES) :] + POLICIES[: r % len(POLICIES)]:
                 rate, name = time_policy(model_name, policy, args.steps, args.batch)
                 best[policy] = max(best.get(policy, 0.0), rate)
                 resolved[policy] = name

@@ -424,6 +424,17 @@ class LearningRateWarmup(keras.callbacks.Callback):
 # --------------------------------------------------------------------------- loss-scale monitor
 
 
+def _scaling_off(optimizer: Any) -> bool:
+    """True for a kmp optimizer that neither scales the loss nor can skip a step.
+
+    ``kmp.wrap_optimizer`` under a float32 or bfloat16 policy resolves
+    ``loss_scale="dynamic"`` to ``"none"``: its scale is a constant 1.0 and, without
+    gradient accumulation, no step is ever skipped, so there is nothing to report.
+    """
+    mode = getattr(optimizer, "loss_scale_mode", None)
+    return mode == "none" and getattr(optimizer, "backward_passes_per_step", 1) == 1
+
+
 def _read_loss_scale(optimizer: Any) -> tuple[float | None, int | None]:
     """Find ``(loss_scale, skipped_steps)`` on an optimizer or the ones it wraps.
 
@@ -435,6 +446,8 @@ def _read_loss_scale(optimizer: Any) -> tuple[float | None, int | None]:
     while opt is not None and id(opt) not in seen:
         seen.add(id(opt))
         if hasattr(opt, "skipped_steps") and hasattr(opt, "loss_scale"):
+            if _scaling_off(opt):
+                return None, None
             scale, skipped = opt.loss_scale, opt.skipped_steps
             if scale is None:  # a kmp optimizer with loss scaling turned off
                 return None, None
@@ -459,7 +472,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
     ``skipped_steps`` of a ``kmp.wrap_optimizer`` optimizer, or the
     ``dynamic_scale`` of a plain ``keras.optimizers.LossScaleOptimizer`` (whose
     skipped steps are counted here from the halvings of the scale). Without
-    loss scaling nothing is logged and, with ``verbose``, a note says so once.
+    loss scaling nothing is logged; with ``verbose``, a note says so once, except
+    for a ``kmp.wrap_optimizer`` optimizer that chose no scaling itself (float32
+    and bfloat16 policies need none), which stays silent.
 
     Args:
         verbose: 1 prints overflows on the chief; 0 only logs.
@@ -490,10 +505,19 @@ class LossScaleMonitor(keras.callbacks.Callback):
             skipped = self._counted_skips
         return scale, skipped
 
+    def _kmp_without_scaling(self) -> bool:
+        """True when a kmp optimizer chose no loss scaling (float32/bfloat16): no note."""
+        opt = _model_optimizer(self, "LossScaleMonitor")
+        while opt is not None:
+            if hasattr(opt, "loss_scale_mode"):
+                return _scaling_off(opt)
+            opt = getattr(opt, "inner_optimizer", None)
+        return False
+
     def _update(self, logs: dict | None) -> None:
         scale, skipped = self.current()
         if scale is None:
-            if self.verbose and not self._warned:
+            if self.verbose and not self._warned and not self._kmp_without_scaling():
                 self._warned = True
                 _chief_print(
                     "LossScaleMonitor: the optimizer does not scale the loss (nothing to report); "

@@ -187,25 +187,34 @@ def init() -> World:
 
 
 def _configure_local_gpu(local_rank_: int) -> None:
-    """Give this local rank one GPU with memory growth, if TensorFlow sees any."""
+    """Give this local rank one GPU with memory growth, if TensorFlow sees any.
+
+    With more ranks on a host than GPUs (``-np 2`` on a one-GPU machine, say), the
+    ranks share GPUs round-robin (``local_rank % n_gpus``) with memory growth on,
+    and a warning says so: a development set-up runs instead of failing, and a
+    production one is told it is oversubscribed.
+    """
     import tensorflow as tf
 
-    if not tf.config.list_physical_devices("GPU"):
+    from kmp import gpu as _gpu
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
         return
+    visible: int | str = "local_rank"
+    if local_rank_ >= len(gpus):
+        visible = local_rank_ % len(gpus)
+        warnings.warn(
+            f"Local rank {local_rank_} has no GPU of its own (this host shows {len(gpus)}): it "
+            f"shares GPU {visible} with another rank, with memory growth on, which is slower "
+            f"and can run out of memory. Start at most {len(gpus)} process(es) per host (e.g. "
+            f"horovodrun -H host:{len(gpus)}), or call kmp.configure_gpus(visible=...) before "
+            "kmp.distributed.init() to choose yourself.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     try:
-        from kmp import gpu as _gpu
-    except ModuleNotFoundError as exc:
-        if exc.name != "kmp.gpu":
-            raise
-        _gpu = None
-    try:
-        if _gpu is not None:
-            _gpu.configure_gpus(memory_growth=True, visible="local_rank")
-            return
-        gpus = tf.config.list_physical_devices("GPU")
-        mine = gpus[local_rank_ % len(gpus)]
-        tf.config.set_visible_devices(mine, "GPU")
-        tf.config.experimental.set_memory_growth(mine, True)
+        _gpu.configure_gpus(memory_growth=True, visible=visible)
     except RuntimeError as exc:  # TensorFlow already initialised its devices.
         warnings.warn(
             f"kmp.distributed.init() could not pin GPU {local_rank_} to this rank ({exc}). "

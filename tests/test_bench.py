@@ -132,13 +132,15 @@ def test_plan_passes_the_options_to_each_script():
     assert "--model" in parts["memory"].argv
 
 
-def test_plan_quick_keeps_everything_tiny_and_notes_unsupported_models():
+def test_plan_quick_keeps_everything_tiny_and_every_model_reaches_the_policies():
     suite = _load("suite")
     quick = {p.name: p for p in suite.plan(_args(quick=True, only="policies,memory"))}
     assert set(quick) == {"policies", "memory"}
     assert "--quick" in quick["policies"].argv and "--quick" in quick["memory"].argv
-    resnet = suite.plan(_args(model="resnet50", only="policies"))[0]
-    assert "resnet50" in resnet.note and "resnet50" not in resnet.argv
+    for model in ("digits_cnn", "mlp", "resnet50"):
+        part = suite.plan(_args(model=model, only="policies"))[0]
+        argv = list(part.argv)
+        assert argv[argv.index("--models") + 1] == model and not part.note
 
 
 def test_child_env_sets_results_and_image_size_and_drops_kmp_policy(tmp_path, monkeypatch):
@@ -155,12 +157,14 @@ def test_models_input_shapes_and_the_image_size_variable(monkeypatch):
     models = _load("models")
     assert models.input_shape("digits_cnn") == (8, 8, 1)
     assert models.input_shape("resnet50", 96) == (96, 96, 3)
+    assert models.input_shape("mlp") == (784,)  # flattened 28x28
+    assert models.input_shape("mlp", 10) == (100,)
     monkeypatch.setenv("KMP_BENCH_IMAGE_SIZE", "40")
     assert models.input_shape("cnn") == (40, 40, 3)
     assert models.input_shape("cnn", 16) == (16, 16, 3)  # an explicit size wins
     with pytest.raises(ValueError, match="at least 32x32"):
         models.input_shape("resnet50", 16)
-    with pytest.raises(ValueError, match="digits_cnn, cnn, resnet50"):
+    with pytest.raises(ValueError, match="digits_cnn, cnn, mlp, resnet50"):
         models.input_shape("vgg")
     monkeypatch.setenv("KMP_BENCH_IMAGE_SIZE", "big")
     with pytest.raises(ValueError, match="not an integer"):
@@ -234,9 +238,46 @@ def test_judge_explains_each_miss():
     assert "+5.0%" in overhead.measured
     scaling = by["2-process weak-scaling efficiency"]
     assert scaling.result == "missed" and "0.78" in scaling.why
+    assert "Measured" not in scaling.why  # no figures behind the causes: none claimed
     memory = by["activation memory, mixed_float16 vs float32"]
     assert memory.result == "missed" and "0.50x" in memory.why
     assert by["compressed allreduce bytes vs float32"].result == "met"
+
+
+def test_auto_target_names_the_model_when_the_cnn_was_not_run():
+    suite = _load("suite")
+    res = _results()
+    res["policies"]["models"] = {"resnet50": res["policies"]["models"]["cnn"]}
+    speed, near = suite.target_auto(res)
+    assert speed.name == "auto policy vs float32, resnet50 training throughput"
+    assert speed.result == "missed" and math.isclose(speed.value, 0.99)
+    assert near.name.endswith("resnet50") and near.result == "met"
+
+
+def test_bench_digits_cnn_is_the_reference_scripts_model():
+    import keras
+
+    models = _load("models")
+    bench_model = models.build("digits_cnn")
+    train = models._train_script()
+    ref = train.build_model("digits_cnn", (8, 8, 1), 10, "float32")
+    inner = [type(layer).__name__ for layer in ref.layers]
+    assert [type(layer).__name__ for layer in bench_model.layers][: len(inner)] == inner
+    assert bench_model.count_params() == ref.count_params()
+    keras.backend.clear_session()
+
+
+def test_scaling_miss_quotes_the_measured_causes():
+    suite = _load("suite")
+    res = _results(eff=0.6)
+    res["allreduce"]["weak_scaling"] = {
+        "cnn/float32": {"single_images_per_s": 100.0, "independent_pair_images_per_s": 150.0}
+    }
+    res["allreduce"]["horovod_idle_cpu_fraction"] = {"default": 0.14, "cycle_5ms": 0.05}
+    (t,) = suite.target_scaling(res)
+    assert t.result == "missed"
+    assert "reached only 0.75 of twice one process" in t.why
+    assert "14% (default), 5% (cycle_5ms) of a core" in t.why
 
 
 def test_judge_marks_parts_that_did_not_run():
@@ -281,8 +322,9 @@ def test_activation_bytes_halve_under_a_mixed_policy():
         keras.backend.clear_session()
         gc.collect()
     f32, bf16 = counted["float32"], counted["mixed_bfloat16"]
-    # conv 8x8x32 + 8x8x64 + pool 4x4x64 + conv 4x4x64 + flatten 1024 + dense 128 + 10 logits
-    per_example = 8 * 8 * 32 + 8 * 8 * 64 + 3 * 4 * 4 * 64 + 128 + 10
+    # conv 8x8x32 + 8x8x64 + pool 4x4x64 + conv 4x4x64 + flatten 1024 + dense 128
+    # + dropout 128 + 10 logits (launch/train.py's digits CNN)
+    per_example = 8 * 8 * 32 + 8 * 8 * 64 + 3 * 4 * 4 * 64 + 2 * 128 + 10
     assert f32 == {"float32": 10 * per_example * 4}  # float32 already: no extra head
     assert bf16 == {"bfloat16": 10 * per_example * 2, "float32": 10 * 10 * 4}  # + float32 head
 

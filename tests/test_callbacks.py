@@ -318,6 +318,39 @@ def test_monitor_without_loss_scaling_logs_nothing(capsys):
     assert "does not scale the loss" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_monitor_silent_when_kmp_chose_no_scaling(policy, capsys):
+    # Under float32/bfloat16 kmp.wrap_optimizer resolves "dynamic" to no scaling:
+    # a constant 1.0 and 0 skips would be noise in every progress bar.
+    optimizer_mod = pytest.importorskip("kmp.optimizer")
+    keras.config.set_dtype_policy(policy)
+    opt = optimizer_mod.wrap_optimizer(keras.optimizers.SGD(0.01))
+    model = _model(opt)
+    rec = _Recorder()
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[kcb.LossScaleMonitor(), rec])  # fmt: skip
+    assert opt.loss_scale_mode == "none"
+    assert "loss_scale" not in rec.epoch_logs[0]
+    assert all("loss_scale" not in b for b in rec.batch_logs)
+    assert "does not scale the loss" not in capsys.readouterr().out
+
+
+def test_monitor_reports_forced_scaling_under_float32():
+    optimizer_mod = pytest.importorskip("kmp.optimizer")
+    keras.config.set_dtype_policy("float32")
+    opt = optimizer_mod.wrap_optimizer(
+        keras.optimizers.SGD(0.01), loss_scale="force_dynamic", initial_scale=64.0
+    )
+    model = _model(opt)
+    rec = _Recorder()
+    x, y = _data()
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+              callbacks=[kcb.LossScaleMonitor(), rec])  # fmt: skip
+    assert rec.epoch_logs[0]["loss_scale"] == 64.0
+    assert rec.epoch_logs[0]["skipped_steps"] == 0
+
+
 def test_monitor_prints_only_on_chief(not_chief, capsys):
     opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=1024.0)
     model = _model(opt)

@@ -45,7 +45,7 @@ PARTS = ("policies", "overhead", "allreduce", "memory")
 # Other names accepted by --only, and the part that measures them.
 ALIASES = {"scaling": "allreduce", "weak_scaling": "allreduce", "policy": "policies"}
 # The models of bench/models.py, repeated so that the parser needs no import of bench/.
-MODELS = ("digits_cnn", "cnn", "resnet50")
+MODELS = ("digits_cnn", "cnn", "mlp", "resnet50")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--model",
         choices=MODELS,
         default=None,
-        help="model every part trains (default: each benchmark's own: the small CNN for the "
-        "policies and memory, the digits CNN for the overhead, both for the allreduce)",
+        help="model every part trains (default: each benchmark's own: the small CNN and the MLP "
+        "for the policies, the small CNN for the memory, the digits CNN for the overhead and "
+        "the allreduce)",
     )
     parser.add_argument(
         "--image-size",
@@ -63,7 +64,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="side of the square input images (default: the model's own: 8 digits, 32 cnn, "
-        "64 resnet50)",
+        "28 mlp (flattened), 64 resnet50)",
     )
     parser.add_argument(
         "--steps", type=int, default=None, help="timed steps per measurement (default: each's)"
