@@ -1,15 +1,17 @@
 """Training throughput of each model under each dtype policy, in one run.
 
-    .venv/bin/python bench/policies.py [--models cnn,mlp] [--steps 12] [--rounds 3] [--quick]
+    .venv/bin/python bench/policies.py [--models cnn,mlp] [--steps 12] [--min-seconds 8]
+        [--rounds 3] [--quick]
 
 For each model of ``models.py`` named in ``--models`` (default: the small CNN
 and the MLP), every policy (float32, mixed_bfloat16, mixed_float16 and "auto")
 trains the same architecture, compiled the kmp way (``kmp.float32_outputs``
 and ``kmp.wrap_optimizer(SGD)``, so float16 gets its dynamic loss scaling), on
-the same batch for a fixed number of steps with ``model.train_on_batch``. The
-policies are interleaved over ``--rounds`` rounds and the best round counts, so
-a noisy neighbour hurts all of them alike. Writes ``bench/results/policies.json``
-and ``policies.md``.
+the same batch with ``model.train_on_batch`` for at least ``--steps`` steps and
+``--min-seconds`` seconds. The policies are interleaved over ``--rounds`` rounds
+(the order rotates each round) and the best round counts, so a noisy neighbour
+hurts all of them alike. Writes ``bench/results/policies.json`` and
+``policies.md``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from _common import machine, markdown_table, write_results
 POLICIES = ["float32", "mixed_bfloat16", "mixed_float16", "auto"]
 
 
-def time_policy(model_name: str, policy: str, steps: int, batch: int) -> tuple[float, str]:
+def time_policy(
+    model_name: str, policy: str, steps: int, batch: int, min_seconds: float = 0.0
+) -> tuple[float, str]:
     import keras
 
     import kmp
@@ -47,19 +51,29 @@ def time_policy(model_name: str, policy: str, steps: int, batch: int) -> tuple[f
     model.train_on_batch(x, y)  # trace and warm up
     model.train_on_batch(x, y)
     start = time.perf_counter()
-    for _ in range(steps):
+    done = 0
+    # At least `steps` steps and at least `min_seconds`: a fast policy's few steps
+    # would otherwise last a second or two, and one hiccup would decide its figure.
+    while done < steps or time.perf_counter() - start < min_seconds:
         loss = model.train_on_batch(x, y)
+        done += 1
     elapsed = time.perf_counter() - start
     if not np.isfinite(loss):
         raise RuntimeError(f"{model_name}/{policy}: non-finite loss {loss}")
     kmp.disable()
-    return steps * batch / elapsed, choice.name
+    return done * batch / elapsed, choice.name
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=8.0,
+        help="each measurement runs at least --steps steps and at least this long",
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument(
         "--models", default="cnn,mlp", help=f"comma-separated: {', '.join(models.MODELS)}"
@@ -67,13 +81,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2 steps, 1 round, batch 8")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.rounds, args.batch = 2, 1, 8
+        args.steps, args.rounds, args.batch, args.min_seconds = 2, 1, 8, 0.0
 
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in names if m not in models.MODELS]
     if unknown or not names:
         parser.error(f"--models {args.models!r}: use names from {', '.join(models.MODELS)}")
-    results: dict = {"machine": machine(), "steps": args.steps, "batch": args.batch, "models": {}}
+    results: dict = {
+        "machine": machine(),
+        "steps": args.steps,
+        "min_seconds": args.min_seconds,
+        "rounds": args.rounds,
+        "batch": args.batch,
+        "models": {},
+    }
     rows = []
     for model_name in names:
         best: dict[str, float] = {}
@@ -81,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             # Rotate the order each round, so no policy is always first after start-up.
             for policy in POLICIES[r % len(POLICIES) :] + POLICIES[: r % len(POLICIES)]:
-                rate, name = time_policy(model_name, policy, args.steps, args.batch)
+                rate, name = time_policy(
+                    model_name, policy, args.steps, args.batch, args.min_seconds
+                )
                 best[policy] = max(best.get(policy, 0.0), rate)
                 resolved[policy] = name
         base = best["float32"]
@@ -106,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     md += (
         f"\n\nMachine: {results['machine']['cpu']}, {results['machine']['cores']} cores, "
         + ("AVX512_BF16" if results["machine"]["avx512_bf16"] else "no AVX512_BF16/AMX")
-        + f"; batch {args.batch}, {args.steps} steps, best of {args.rounds} interleaved rounds."
+        + f"; batch {args.batch}, at least {args.steps} steps and {args.min_seconds:g} s per "
+        f"measurement, best of {args.rounds} interleaved rounds (order rotated)."
     )
     path = write_results("policies" + ("_quick" if args.quick else ""), results, md)
     print(md)
