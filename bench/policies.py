@@ -9,7 +9,7 @@ trains the same architecture, compiled the kmp way (``kmp.float32_outputs``
 and ``kmp.wrap_optimizer(SGD)``, so float16 gets its dynamic loss scaling), on
 the same batch with ``model.train_on_batch`` for at least ``--steps`` steps and
 ``--min-seconds`` seconds. The policies are interleaved over ``--rounds`` rounds
-(the order rotates each round) and the best round counts, so a noisy neighbour
+(the order rotates, and reverses every other round) and the best round counts, so a noisy neighbour
 hurts all of them alike. Writes ``bench/results/policies.json`` and
 ``policies.md``.
 """
@@ -17,6 +17,7 @@ hurts all of them alike. Writes ``bench/results/policies.json`` and
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -31,6 +32,17 @@ from _common import machine, markdown_table, write_results
 POLICIES = ["float32", "mixed_bfloat16", "mixed_float16", "auto"]
 
 
+def round_order(r: int) -> list[str]:
+    """The policies in the order of round ``r``: rotated, and reversed every other round.
+
+    No policy is always the first after start-up, nor always the one after the
+    same neighbour (a slow float16 run could leave work behind for the next).
+    """
+    k = r % len(POLICIES)
+    order = POLICIES[k:] + POLICIES[:k]
+    return order[::-1] if r % 2 else order
+
+
 def time_policy(
     model_name: str, policy: str, steps: int, batch: int, min_seconds: float = 0.0
 ) -> tuple[float, str]:
@@ -39,6 +51,7 @@ def time_policy(
     import kmp
 
     keras.backend.clear_session()
+    gc.collect()  # the previous policy's model, so its collection does not land in our timing
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # float16-on-CPU warning: measuring it is the point
         choice = kmp.enable(policy)
@@ -50,14 +63,19 @@ def time_policy(
     x, y = models.batch(model_name, batch)
     model.train_on_batch(x, y)  # trace and warm up
     model.train_on_batch(x, y)
-    start = time.perf_counter()
-    done = 0
-    # At least `steps` steps and at least `min_seconds`: a fast policy's few steps
-    # would otherwise last a second or two, and one hiccup would decide its figure.
-    while done < steps or time.perf_counter() - start < min_seconds:
-        loss = model.train_on_batch(x, y)
-        done += 1
-    elapsed = time.perf_counter() - start
+    gc.collect()
+    gc.disable()  # as timeit does: no collector pauses inside the timed steps
+    try:
+        start = time.perf_counter()
+        done = 0
+        # At least `steps` steps and at least `min_seconds`: a fast policy's few steps
+        # would otherwise last a second or two, and one hiccup would decide its figure.
+        while done < steps or time.perf_counter() - start < min_seconds:
+            loss = model.train_on_batch(x, y)
+            done += 1
+        elapsed = time.perf_counter() - start
+    finally:
+        gc.enable()
     if not np.isfinite(loss):
         raise RuntimeError(f"{model_name}/{policy}: non-finite loss {loss}")
     kmp.disable()
@@ -100,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         best: dict[str, float] = {}
         resolved: dict[str, str] = {}
         for r in range(args.rounds):
-            # Rotate the order each round, so no policy is always first after start-up.
-            for policy in POLICIES[r % len(POLICIES) :] + POLICIES[: r % len(POLICIES)]:
+            for policy in round_order(r):
                 rate, name = time_policy(
                     model_name, policy, args.steps, args.batch, args.min_seconds
                 )
@@ -130,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\n\nMachine: {results['machine']['cpu']}, {results['machine']['cores']} cores, "
         + ("AVX512_BF16" if results["machine"]["avx512_bf16"] else "no AVX512_BF16/AMX")
         + f"; batch {args.batch}, at least {args.steps} steps and {args.min_seconds:g} s per "
-        f"measurement, best of {args.rounds} interleaved rounds (order rotated)."
+        f"measurement, best of {args.rounds} interleaved rounds (order varied)."
     )
     path = write_results("policies" + ("_quick" if args.quick else ""), results, md)
     print(md)
