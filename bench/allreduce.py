@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/allreduce.py [--models digits_cnn [cnn]]
         [--policies float32 mixed_bfloat16] [--batch 64] [--steps 20] [--repeats 3]
-        [--rounds 2] [--cycle-times 0.2] [--fusion-mb 64] [--skip-default]
+        [--rounds 2] [--cycle-times 5] [--fusion-mb 64] [--skip-default] [--idle-seconds 4]
 
 It starts itself several times:
 
@@ -17,7 +17,11 @@ It starts itself several times:
 Weak-scaling efficiency = (images/s of the two ranks together) / (2 x images/s of
 the single process). Because a busy machine slows two processes more than one,
 the same two-rank figure is also divided by two independent single processes
-started at the same time ("vs independent": the cost of communication alone).
+started at the same time ("vs independent": the cost of communication alone),
+and each rank's CPU use while it waits idle (``--idle-seconds``) is recorded:
+Horovod's background thread wakes every ``HOROVOD_CYCLE_TIME`` even when there
+is nothing to reduce, and on a machine whose cores all train that CPU is
+taken from training.
 The two-process job runs with Horovod's defaults (unless ``--skip-default``)
 and once per ``--cycle-times`` value (with the fusion threshold and response
 cache set). Single and two-process jobs alternate over ``--rounds`` and each
@@ -49,7 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--role", default="launch", choices=("launch", "single", "worker"))
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--models", nargs="+", default=["digits_cnn"], help="digits_cnn, cnn, resnet50")
+    p.add_argument(
+        "--models", nargs="+", default=["digits_cnn"], help="digits_cnn, cnn, mlp, resnet50"
+    )
     p.add_argument("--policies", nargs="+", default=["float32", "mixed_bfloat16"])
     p.add_argument("--batch", type=int, default=64, help="images per process and step")
     p.add_argument("--steps", type=int, default=20, help="steps per timed repeat")
@@ -231,6 +237,22 @@ def _read(out: Path, n: int) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
+def combine_idle(dual: dict[str, list[list[dict]]]) -> dict[str, float]:
+    """Idle CPU fraction per Horovod setting: mean of the ranks, median of the rounds.
+
+    ``dual`` maps a setting to its rounds, each a list of the ranks' results;
+    settings where some rank did not measure it are left out.
+    """
+    out = {}
+    for name, rounds in dual.items():
+        if rounds and all("idle_cpu_fraction" in rk for ranks in rounds for rk in ranks):
+            per_round = [
+                statistics.mean(rk["idle_cpu_fraction"] for rk in ranks) for ranks in rounds
+            ]
+            out[name] = round(statistics.median(per_round), 3)
+    return out
+
+
 def launch(args: argparse.Namespace) -> int:
     from _common import machine, markdown_table, write_results
 
@@ -310,16 +332,7 @@ def launch(args: argparse.Namespace) -> int:
                  merged[f"one_at_a_time/{c}"]]
                 for c in COMPRESSIONS
             ]  # fmt: skip
-    idle = {
-        name: round(
-            statistics.median(
-                statistics.mean(rk["idle_cpu_fraction"] for rk in ranks) for ranks in dual[name]
-            ),
-            3,
-        )
-        for name in settings
-        if all("idle_cpu_fraction" in rk for ranks in dual[name] for rk in ranks)
-    }
+    idle = combine_idle(dual)
     best = {key: max((e[f"{n}_efficiency"], n) for n in settings) for key, e in scaling.items()}
     result = {
         "weak_scaling": scaling,

@@ -176,9 +176,8 @@ def measure_policy(policy: str, args: argparse.Namespace) -> dict:
         kmp.disable()
 
 
-def _measure_in_child(policy: str, argv: list[str]) -> dict:
-    """Run :func:`measure_policy` for ``policy`` in a new Python process; return its figures."""
-    # The child gets the same options, with --policies narrowed to this one.
+def child_argv(argv: list[str], policy: str, out: str) -> list[str]:
+    """The options of the child that measures ``policy``: ours, ``--policies`` narrowed."""
     kept, skip = [], False
     for a in argv:
         if skip:
@@ -187,10 +186,14 @@ def _measure_in_child(policy: str, argv: list[str]) -> dict:
             skip = True
         elif not a.startswith("--policies="):
             kept.append(a)
+    return [*kept, "--policies", policy, "--child-out", out]
+
+
+def _measure_in_child(policy: str, argv: list[str]) -> dict:
+    """Run :func:`measure_policy` for ``policy`` in a new Python process; return its figures."""
     with tempfile.TemporaryDirectory(prefix="kmp-memory-") as tmp:
         out = os.path.join(tmp, "figures.json")
-        cmd = [sys.executable, os.path.abspath(__file__), *kept,
-               "--policies", policy, "--child-out", out]  # fmt: skip
+        cmd = [sys.executable, os.path.abspath(__file__), *child_argv(argv, policy, out)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(out):
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "backend": keras.backend.backend(),
         "model": args.model,
-        "image_size": models.input_shape(args.model, args.image_size)[0],
+        "image_size": models.image_side(args.model, args.image_size),
         "batch": args.batch,
         "steps": args.steps,
         "method": {

@@ -45,11 +45,8 @@ def _train_script() -> ModuleType:
     return module
 
 
-def input_shape(name: str, image_size: int | None = None) -> tuple[int, ...]:
-    """Return the input shape of model ``name``.
-
-    ``(height, width, channels)``, or ``(height * width,)`` for the ``mlp``,
-    which takes flattened images.
+def image_side(name: str, image_size: int | None = None) -> int:
+    """Return the side of model ``name``'s square images, in pixels.
 
     Args:
         name: One of :data:`MODELS`.
@@ -75,6 +72,23 @@ def input_shape(name: str, image_size: int | None = None) -> tuple[int, ...]:
             f"{name} needs images of at least {MIN_IMAGE_SIZE[name]}x{MIN_IMAGE_SIZE[name]}, "
             f"got {size}x{size}: pass a larger --image-size."
         )
+    return size
+
+
+def input_shape(name: str, image_size: int | None = None) -> tuple[int, ...]:
+    """Return the input shape of model ``name``.
+
+    ``(height, width, channels)``, or ``(height * width,)`` for the ``mlp``,
+    which takes flattened images.
+
+    Args:
+        name: One of :data:`MODELS`.
+        image_size: Side of the square images (as in :func:`image_side`).
+
+    Raises:
+        ValueError: Unknown model, or an image size the model cannot take.
+    """
+    size = image_side(name, image_size)
     if name == "mlp":
         return (size * size,)
     return (size, size, CHANNELS[name])

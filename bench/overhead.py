@@ -26,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import models
 from _common import machine, markdown_table, write_results
 
 TARGET = 0.98
@@ -33,7 +34,7 @@ TARGET = 0.98
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="digits_cnn", choices=("digits_cnn", "cnn", "resnet50"))
+    p.add_argument("--model", default="digits_cnn", choices=models.MODELS)
     p.add_argument(
         "--policy", default="mixed_float16", choices=("mixed_float16", "mixed_bfloat16", "float32")
     )

@@ -92,7 +92,10 @@ def panel_allreduce(ax, figures: dict[str, dict]) -> None:
     for label, fig in figures.items():
         for comp in ("None", "fp16", "bf16"):
             if f"grouped/{comp}" in fig:
-                groups.append(f"{label}\n{'float32' if comp == 'None' else comp}")
+                # "setting: model" over two lines, then the dtype sent: labels stay narrow
+                groups.append(
+                    label.replace(": ", ":\n") + f"\n{'float32' if comp == 'None' else comp}"
+                )
                 grouped.append(fig[f"grouped/{comp}"])
                 single.append(fig.get(f"one_at_a_time/{comp}", 0.0))
     _bars(ax, groups, {"grouped": grouped, "one tensor at a time": single})

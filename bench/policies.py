@@ -33,14 +33,15 @@ POLICIES = ["float32", "mixed_bfloat16", "mixed_float16", "auto"]
 
 
 def round_order(r: int) -> list[str]:
-    """The policies in the order of round ``r``: rotated, and reversed every other round.
+    """The policies in the order of round ``r``.
 
-    No policy is always the first after start-up, nor always the one after the
+    Rotated by ``r``, so each round starts with another policy, and on odd
+    rounds the policies after the first are reversed, so none always follows the
     same neighbour (a slow float16 run could leave work behind for the next).
     """
     k = r % len(POLICIES)
     order = POLICIES[k:] + POLICIES[:k]
-    return order[::-1] if r % 2 else order
+    return [order[0], *order[:0:-1]] if r % 2 else order
 
 
 def time_policy(
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.rounds, args.batch, args.min_seconds = 2, 1, 8, 0.0
+    if args.steps < 1 or args.rounds < 1 or args.batch < 1 or args.min_seconds < 0:
+        parser.error("--steps, --rounds and --batch must be >= 1 and --min-seconds >= 0")
 
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in names if m not in models.MODELS]

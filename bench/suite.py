@@ -83,7 +83,7 @@ def plan(args: argparse.Namespace) -> list[Part]:
             if quick:
                 argv = ["--models", model or "digits_cnn", "--policies", "float32"]
                 argv += ["--batch", "4", "--steps", "2", "--repeats", "1", "--rounds", "1"]
-                argv += ["--skip-default", "--allreduce-iters", "3"]
+                argv += ["--skip-default", "--allreduce-iters", "3", "--idle-seconds", "0.5"]
             else:
                 argv = _opt("--models", model) + _opt("--steps", steps) + _opt("--batch", batch)
             parts.append(Part(name, "allreduce.py", tuple(argv)))

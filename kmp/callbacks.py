@@ -428,8 +428,9 @@ def _scaling_off(optimizer: Any) -> bool:
     """True for a kmp optimizer that neither scales the loss nor can skip a step.
 
     ``kmp.wrap_optimizer`` under a float32 or bfloat16 policy resolves
-    ``loss_scale="dynamic"`` to ``"none"``: its scale is a constant 1.0 and, without
-    gradient accumulation, no step is ever skipped, so there is nothing to report.
+    ``loss_scale="dynamic"`` to ``"none"`` (as does an explicit ``loss_scale=None``):
+    its scale is a constant 1.0 and, without gradient accumulation, no step is ever
+    skipped, so there is nothing to report.
     """
     mode = getattr(optimizer, "loss_scale_mode", None)
     return mode == "none" and getattr(optimizer, "backward_passes_per_step", 1) == 1
@@ -473,8 +474,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
     ``dynamic_scale`` of a plain ``keras.optimizers.LossScaleOptimizer`` (whose
     skipped steps are counted here from the halvings of the scale). Without
     loss scaling nothing is logged; with ``verbose``, a note says so once, except
-    for a ``kmp.wrap_optimizer`` optimizer that chose no scaling itself (float32
-    and bfloat16 policies need none), which stays silent.
+    for a ``kmp.wrap_optimizer`` optimizer without scaling (float32 and bfloat16
+    policies need none, or ``loss_scale=None`` was passed), which stays silent.
 
     Args:
         verbose: 1 prints overflows on the chief; 0 only logs.

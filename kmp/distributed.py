@@ -201,15 +201,15 @@ def _configure_local_gpu(local_rank_: int) -> None:
     gpus = tf.config.list_physical_devices("GPU")
     if not gpus:
         return
-    visible: int | str = "local_rank"
+    # Horovod's own local rank, so the launcher variables are not read a second time.
+    visible = local_rank_ % len(gpus)
     if local_rank_ >= len(gpus):
-        visible = local_rank_ % len(gpus)
         warnings.warn(
             f"Local rank {local_rank_} has no GPU of its own (this host shows {len(gpus)}): it "
             f"shares GPU {visible} with another rank, with memory growth on, which is slower "
             f"and can run out of memory. Start at most {len(gpus)} process(es) per host (e.g. "
-            f"horovodrun -H host:{len(gpus)}), or call kmp.configure_gpus(visible=...) before "
-            "kmp.distributed.init() to choose yourself.",
+            f"horovodrun -H host:{len(gpus)}), or call kmp.configure_gpus(visible=...) right "
+            "after kmp.distributed.init(), before any TensorFlow op, to choose yourself.",
             RuntimeWarning,
             stacklevel=3,
         )
