@@ -16,6 +16,7 @@ every benchmark script (and every Horovod rank) it starts.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -32,8 +33,12 @@ IMAGE_SIZE_ENV = "KMP_BENCH_IMAGE_SIZE"
 TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "train.py"
 
 
+@functools.cache
 def _train_script() -> ModuleType:
-    """Import ``launch/train.py`` (a script, not a package module) for its ``build_model``."""
+    """Import ``launch/train.py`` (a script, not a package module) for its ``build_model``.
+
+    Loaded once per process: the benchmarks build a model per policy and round.
+    """
     spec = importlib.util.spec_from_file_location("kmp_launch_train", TRAIN_SCRIPT)
     if spec is None or spec.loader is None or not TRAIN_SCRIPT.is_file():
         raise FileNotFoundError(

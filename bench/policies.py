@@ -9,8 +9,8 @@ trains the same architecture, compiled the kmp way (``kmp.float32_outputs``
 and ``kmp.wrap_optimizer(SGD)``, so float16 gets its dynamic loss scaling), on
 the same batch with ``model.train_on_batch`` for at least ``--steps`` steps and
 ``--min-seconds`` seconds. The policies are interleaved over ``--rounds`` rounds
-(the order rotates, and reverses every other round) and the best round counts, so a noisy neighbour
-hurts all of them alike. Writes ``bench/results/policies.json`` and
+(see :func:`round_order`) and the best round counts, so a noisy neighbour hurts
+all of them alike. Writes ``bench/results/policies.json`` and
 ``policies.md``.
 """
 

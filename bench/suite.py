@@ -49,7 +49,6 @@ class Part:
     name: str
     script: str
     argv: tuple[str, ...]
-    note: str = ""
 
 
 def _opt(flag: str, value: Any) -> list[str]:
@@ -120,7 +119,6 @@ def run_part(part: Part, out_dir: Path, env: dict[str, str], bench_dir: Path) ->
     record: dict[str, Any] = {
         "script": part.script,
         "argv": list(part.argv),
-        "note": part.note,
         "status": "failed",
         "result_file": None,
     }
@@ -493,8 +491,6 @@ def summary_markdown(
     }
     for name, rec in records.items():
         lines += ["", f"## {titles.get(name, name)}", ""]
-        if rec.get("note"):
-            lines += [f"Note: {rec['note']}.", ""]
         md_file = out_dir / (Path(rec["result_file"]).stem + ".md") if rec["result_file"] else None
         if rec["status"] == "ok" and md_file is not None and md_file.is_file():
             lines.append(_demote(md_file.read_text().strip()))

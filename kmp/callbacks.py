@@ -436,28 +436,43 @@ def _scaling_off(optimizer: Any) -> bool:
     return mode == "none" and getattr(optimizer, "backward_passes_per_step", 1) == 1
 
 
-def _read_loss_scale(optimizer: Any) -> tuple[float | None, int | None]:
-    """Find ``(loss_scale, skipped_steps)`` on an optimizer or the ones it wraps.
+def _kmp_style(optimizer: Any) -> bool:
+    """True for an optimizer exposing ``loss_scale`` and ``skipped_steps`` as kmp's does."""
+    return hasattr(optimizer, "skipped_steps") and hasattr(optimizer, "loss_scale")
 
-    A kmp optimizer exposes both; a plain ``keras.optimizers.LossScaleOptimizer``
-    only its ``dynamic_scale`` (skipped steps are then None, counted by the caller).
+
+def _find_scaler(optimizer: Any) -> Any | None:
+    """Return the optimizer that holds the loss scale: ``optimizer`` or one it wraps.
+
+    That is a kmp-style optimizer or a ``keras.optimizers.LossScaleOptimizer``,
+    found along the ``inner_optimizer`` chain; None when there is none.
     """
     seen: set[int] = set()
     opt = optimizer
     while opt is not None and id(opt) not in seen:
         seen.add(id(opt))
-        if hasattr(opt, "skipped_steps") and hasattr(opt, "loss_scale"):
-            if _scaling_off(opt):
-                return None, None
-            scale, skipped = opt.loss_scale, opt.skipped_steps
-            if scale is None:  # a kmp optimizer with loss scaling turned off
-                return None, None
-            return _to_float(scale), None if skipped is None else int(_to_float(skipped))
-        if isinstance(opt, keras.optimizers.LossScaleOptimizer):
-            scale = getattr(opt, "dynamic_scale", None) if opt.built else None
-            return _to_float(opt.initial_scale if scale is None else scale), None
+        if _kmp_style(opt) or isinstance(opt, keras.optimizers.LossScaleOptimizer):
+            return opt
         opt = getattr(opt, "inner_optimizer", None)
-    return None, None
+    return None
+
+
+def _read_loss_scale(scaler: Any | None) -> tuple[float | None, int | None]:
+    """Read ``(loss_scale, skipped_steps)`` from what :func:`_find_scaler` returned.
+
+    A kmp optimizer exposes both; a plain ``keras.optimizers.LossScaleOptimizer``
+    only its ``dynamic_scale`` (skipped steps are then None, counted by the caller).
+    ``(None, None)`` when nothing scales the loss.
+    """
+    if scaler is None or _scaling_off(scaler):
+        return None, None
+    if _kmp_style(scaler):
+        scale, skipped = scaler.loss_scale, scaler.skipped_steps
+        if scale is None:  # a kmp optimizer with loss scaling turned off
+            return None, None
+        return _to_float(scale), None if skipped is None else int(_to_float(skipped))
+    scale = getattr(scaler, "dynamic_scale", None) if scaler.built else None
+    return _to_float(scaler.initial_scale if scale is None else scale), None
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
@@ -497,7 +512,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def current(self) -> tuple[float | None, int | None]:
         """Return ``(loss_scale, skipped_steps)`` now, or ``(None, None)`` without scaling."""
-        scale, skipped = _read_loss_scale(_model_optimizer(self, "LossScaleMonitor"))
+        scale, skipped = _read_loss_scale(_find_scaler(self._optimizer()))
         if scale is None:
             return None, None
         if skipped is None:  # plain Keras LossScaleOptimizer: count halvings
@@ -506,24 +521,21 @@ class LossScaleMonitor(keras.callbacks.Callback):
             skipped = self._counted_skips
         return scale, skipped
 
-    def _kmp_without_scaling(self) -> bool:
-        """True when a kmp optimizer chose no loss scaling (float32/bfloat16): no note."""
-        opt = _model_optimizer(self, "LossScaleMonitor")
-        while opt is not None:
-            if hasattr(opt, "loss_scale_mode"):
-                return _scaling_off(opt)
-            opt = getattr(opt, "inner_optimizer", None)
-        return False
+    def _optimizer(self) -> keras.optimizers.Optimizer:
+        return _model_optimizer(self, "LossScaleMonitor")
 
     def _update(self, logs: dict | None) -> None:
         scale, skipped = self.current()
         if scale is None:
-            if self.verbose and not self._warned and not self._kmp_without_scaling():
+            if not self._warned:  # decided once: nothing to report this training
                 self._warned = True
-                _chief_print(
-                    "LossScaleMonitor: the optimizer does not scale the loss (nothing to report); "
-                    "use kmp.wrap_optimizer under a float16 policy to get loss scaling."
-                )
+                # Silent when kmp.wrap_optimizer chose no scaling (float32/bfloat16).
+                if self.verbose and not _scaling_off(_find_scaler(self._optimizer())):
+                    _chief_print(
+                        "LossScaleMonitor: the optimizer does not scale the loss (nothing to "
+                        "report); use kmp.wrap_optimizer under a float16 policy to get loss "
+                        "scaling."
+                    )
             return
         if self._last_skipped is not None and skipped > self._last_skipped and self.verbose:
             new = skipped - self._last_skipped

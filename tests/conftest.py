@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -16,6 +17,64 @@ WORKERS = Path(__file__).resolve().parent / "distributed"
 
 # Keep TensorFlow quiet and single-threaded-ish in every process the tests start.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+# ------------------------------------------------------- GPUs on a machine without one
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    name: str
+    device_type: str = "GPU"
+
+
+def gpus(n: int) -> list[FakeDevice]:
+    """``n`` described GPUs, as tf.config.list_physical_devices("GPU") would list them."""
+    return [FakeDevice(f"/physical_device:GPU:{i}") for i in range(n)]
+
+
+class FakeTFConfig:
+    """Records the tf.config calls; can raise like TensorFlow after initialisation."""
+
+    @dataclasses.dataclass(frozen=True)
+    class LogicalDeviceConfiguration:
+        memory_limit: int
+
+    def __init__(self, raise_on: str | None = None):
+        self.calls: list[tuple] = []
+        self.raise_on = raise_on
+        outer = self
+
+        class _Experimental:
+            def set_memory_growth(self, dev, enable):
+                outer._call("set_memory_growth", dev.name, enable)
+
+        self.experimental = _Experimental()
+
+    def _call(self, name, *args):
+        if self.raise_on == name:
+            raise RuntimeError("Physical devices cannot be modified after being initialized")
+        self.calls.append((name, *args))
+
+    def set_visible_devices(self, devices, device_type):
+        self._call("set_visible_devices", [d.name for d in devices], device_type)
+
+    def set_logical_device_configuration(self, dev, configs):
+        self._call("set_logical_device_configuration", dev.name, configs)
+
+
+def patch_tf_gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> FakeTFConfig:
+    """Make TensorFlow list ``n`` GPUs and record the tf.config calls made on them."""
+    import tensorflow as tf
+
+    devs = gpus(n)
+    fake = FakeTFConfig()
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: list(devs))
+    monkeypatch.setattr(tf.config, "set_visible_devices", fake.set_visible_devices)
+    monkeypatch.setattr(
+        tf.config.experimental, "set_memory_growth", fake.experimental.set_memory_growth
+    )
+    return fake
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import requires_horovod, run_workers
+from conftest import patch_tf_gpus, requires_horovod, run_workers
 
 import kmp.distributed as dist
 
@@ -159,53 +159,28 @@ def test_collectives_on_two_real_ranks():
 # --------------------------------------------------------------- GPU pinning by init()
 
 
-def _fake_gpus(monkeypatch, n: int, local_rank: int) -> list[tuple]:
-    """Replace TensorFlow's GPU list and tf.config setters; return the recorded calls."""
-    import tensorflow as tf
-
-    class Dev:
-        def __init__(self, i):
-            self.name = f"/physical_device:GPU:{i}"
-
-    devs = [Dev(i) for i in range(n)]
-    calls: list[tuple] = []
-    monkeypatch.setenv("HOROVOD_LOCAL_RANK", str(local_rank))
-    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: list(devs))
-    monkeypatch.setattr(
-        tf.config,
-        "set_visible_devices",
-        lambda ds, kind: calls.append(("visible", [d.name for d in ds])),
-    )
-    monkeypatch.setattr(
-        tf.config.experimental,
-        "set_memory_growth",
-        lambda d, on: calls.append(("growth", d.name, on)),
-    )
-    return calls
-
-
 def test_init_pins_one_gpu_per_local_rank(monkeypatch, recwarn):
-    calls = _fake_gpus(monkeypatch, n=2, local_rank=1)
+    fake = patch_tf_gpus(monkeypatch, 2)
     dist._configure_local_gpu(1)
-    assert calls == [
-        ("visible", ["/physical_device:GPU:1"]),
-        ("growth", "/physical_device:GPU:1", True),
+    assert fake.calls == [
+        ("set_visible_devices", ["/physical_device:GPU:1"], "GPU"),
+        ("set_memory_growth", "/physical_device:GPU:1", True),
     ]
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
 def test_init_shares_a_gpu_with_a_warning_when_ranks_outnumber_gpus(monkeypatch):
     # -np 3 on a 2-GPU host: local rank 2 shares GPU 0 instead of failing init().
-    calls = _fake_gpus(monkeypatch, n=2, local_rank=2)
+    fake = patch_tf_gpus(monkeypatch, 2)
     with pytest.warns(RuntimeWarning, match=r"shares GPU 0 .*horovodrun -H host:2"):
         dist._configure_local_gpu(2)
-    assert calls == [
-        ("visible", ["/physical_device:GPU:0"]),
-        ("growth", "/physical_device:GPU:0", True),
+    assert fake.calls == [
+        ("set_visible_devices", ["/physical_device:GPU:0"], "GPU"),
+        ("set_memory_growth", "/physical_device:GPU:0", True),
     ]
 
 
 def test_init_leaves_a_cpu_only_host_alone(monkeypatch):
-    calls = _fake_gpus(monkeypatch, n=0, local_rank=1)
+    fake = patch_tf_gpus(monkeypatch, 0)
     dist._configure_local_gpu(1)
-    assert calls == []
+    assert fake.calls == []

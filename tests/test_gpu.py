@@ -7,53 +7,11 @@ must do nothing.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
+from conftest import FakeTFConfig, gpus, patch_tf_gpus
 
 import kmp
 from kmp import gpu
-
-
-@dataclasses.dataclass(frozen=True)
-class FakeDevice:
-    name: str
-    device_type: str = "GPU"
-
-
-def gpus(n: int) -> list[FakeDevice]:
-    return [FakeDevice(f"/physical_device:GPU:{i}") for i in range(n)]
-
-
-class FakeTFConfig:
-    """Records the tf.config calls; can raise like TensorFlow after initialisation."""
-
-    @dataclasses.dataclass(frozen=True)
-    class LogicalDeviceConfiguration:
-        memory_limit: int
-
-    def __init__(self, raise_on: str | None = None):
-        self.calls: list[tuple] = []
-        self.raise_on = raise_on
-        outer = self
-
-        class _Experimental:
-            def set_memory_growth(self, dev, enable):
-                outer._call("set_memory_growth", dev.name, enable)
-
-        self.experimental = _Experimental()
-
-    def _call(self, name, *args):
-        if self.raise_on == name:
-            raise RuntimeError("Physical devices cannot be modified after being initialized")
-        self.calls.append((name, *args))
-
-    def set_visible_devices(self, devices, device_type):
-        self._call("set_visible_devices", [d.name for d in devices], device_type)
-
-    def set_logical_device_configuration(self, dev, configs):
-        self._call("set_logical_device_configuration", dev.name, configs)
-
 
 # ------------------------------------------------------------------ plan_gpus
 
@@ -234,16 +192,8 @@ def test_configure_gpus_is_harmless_without_gpus(no_launcher):
 
 def test_configure_gpus_uses_tf_config_and_launcher_rank(monkeypatch):
     """The public function with TensorFlow's device list and tf.config calls replaced."""
-    import tensorflow as tf
-
-    devs = gpus(2)
-    fake = FakeTFConfig()
+    fake = patch_tf_gpus(monkeypatch, 2)
     monkeypatch.setenv("HOROVOD_LOCAL_RANK", "1")
-    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: list(devs))
-    monkeypatch.setattr(tf.config, "set_visible_devices", fake.set_visible_devices)
-    monkeypatch.setattr(
-        tf.config.experimental, "set_memory_growth", fake.experimental.set_memory_growth
-    )
     result = kmp.configure_gpus()
     assert result.visible == (1,) and result.local_rank == 1
     assert fake.calls == [
