@@ -30,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "float32_outputs": "kmp.layers",
     "audit": "kmp.auditing",
     "AuditReport": "kmp.auditing",
-    "wrap_optimizer": "kmp.optimizer",
+    "wrap_optimizer": "kmp._dispatch",
     "load_model": "kmp.saving",
     "configure_gpus": "kmp.gpu",
     "callbacks": "kmp.callbacks",
@@ -40,16 +40,26 @@ _EXPORTS: dict[str, str] = {
     "distributed": "kmp.distributed",
     "hardware": "kmp.hardware",
     "layers": "kmp.layers",
+    "loss_scale": "kmp.loss_scale",
 }
 
 __all__ = ["__version__", *_EXPORTS]
 
 if _TYPE_CHECKING:  # pragma: no cover  (static analysers see the lazy names)
-    from kmp import callbacks, compat, data, datasets, distributed, hardware, layers  # noqa: F401
+    from kmp import (  # noqa: F401
+        callbacks,
+        compat,
+        data,
+        datasets,
+        distributed,
+        hardware,
+        layers,
+        loss_scale,
+    )
+    from kmp._dispatch import wrap_optimizer  # noqa: F401
     from kmp.auditing import AuditReport, audit  # noqa: F401
     from kmp.gpu import configure_gpus  # noqa: F401
     from kmp.layers import Float32Output, float32_outputs  # noqa: F401
-    from kmp.optimizer import wrap_optimizer  # noqa: F401
     from kmp.policy import PolicyChoice, current_policy, disable, enable, policy_scope  # noqa: F401
     from kmp.saving import load_model  # noqa: F401
 

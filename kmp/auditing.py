@@ -111,6 +111,36 @@ class AuditReport:
             "findings": [dataclasses.asdict(f) for f in self.findings],
         }
 
+    def _verdict(self) -> str:
+        return f"kmp audit of {self.model_name!r} (global policy {self.global_policy}): " + (
+            "OK" if self.ok else f"NOT OK, {len(self.errors)} error(s)"
+        )
+
+    def _finding_lines(self) -> list[str]:
+        return [f"[{f.severity}] {f.code} ({f.layer}): {f.message}" for f in self.findings]
+
+    def summary(self, max_rows: int = 40) -> str:
+        """Return the report for a log: the full table up to ``max_rows`` layers, else short.
+
+        A model with more layers (ResNet-50 has 177) gets the verdict, how many
+        layers compute in each dtype, and the findings instead of the table.
+
+        Args:
+            max_rows: The most layers shown as a table.
+
+        Returns:
+            The text.
+        """
+        if len(self.rows) <= max_rows:
+            return str(self)
+        counts: dict[str, int] = {}
+        for r in self.rows:
+            counts[r.compute_dtype] = counts.get(r.compute_dtype, 0) + 1
+        dtypes = ", ".join(f"{n} compute in {d}" for d, n in sorted(counts.items()))
+        lines = [self._verdict(), f"{len(self.rows)} layers: {dtypes}."]
+        lines.extend(self._finding_lines() or ["No findings."])
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         headers = ("layer", "class", "compute", "variables", "output", "params")
         table = [headers] + [
@@ -125,17 +155,14 @@ class AuditReport:
             for r in self.rows
         ]
         widths = [max(len(str(row[i])) for row in table) for i in range(len(headers))]
-        lines = [
-            f"kmp audit of {self.model_name!r} (global policy {self.global_policy}): "
-            + ("OK" if self.ok else f"NOT OK, {len(self.errors)} error(s)")
-        ]
+        lines = [self._verdict()]
         for i, row in enumerate(table):
             lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
         if self.findings:
             lines.append("")
-            lines.extend(f"[{f.severity}] {f.code} ({f.layer}): {f.message}" for f in self.findings)
+            lines.extend(self._finding_lines())
         else:
             lines.append("\nNo findings.")
         return "\n".join(lines).rstrip()
@@ -275,7 +302,8 @@ def audit(model: keras.Model) -> AuditReport:
                     "policy-mismatch",
                     path,
                     f"dtype policy {layer.dtype_policy.name!r} differs from the global "
-                    f"{global_policy!r} (built before kmp.enable(), or given dtype=...).",
+                    f"{global_policy!r}: built before kmp.enable() (call kmp.enable() before "
+                    "building the model), or given dtype=... on purpose.",
                 )
             )
         if (

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import os
 import warnings
 from collections.abc import Iterator
@@ -19,6 +18,8 @@ from collections.abc import Iterator
 import keras
 
 from kmp import hardware as _hw
+from kmp._legacy_keras import is_legacy_keras, set_legacy_global_policy
+from kmp._names import VALID_POLICIES, normalize_policy
 
 __all__ = [
     "POLICY_ENV_VAR",
@@ -32,9 +33,6 @@ __all__ = [
 ]
 
 POLICY_ENV_VAR = "KMP_POLICY"
-VALID_POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
-# Also accepted by name, for users who know what they ask for (no float32 master weights).
-_PURE_POLICIES = ("float16", "bfloat16")
 
 # Measured on this project's 2-core AVX-512 CPU (TF 2.21, Keras 3.15, small CNN):
 _CPU_FLOAT16_SLOWDOWN = "about 8x"
@@ -120,47 +118,18 @@ def _resolve(policy: str | keras.DTypePolicy, hw: _hw.Hardware | None) -> Policy
             f"policy must be a name ({', '.join(VALID_POLICIES)}) or a keras.DTypePolicy, "
             f"not {type(policy).__name__}"
         )
-    name = policy.strip().lower()
+    name = normalize_policy(policy)
     if name == "auto":
         name, reason = choose_policy(hw if hw is not None else _hw.detect())
         return _choice(keras.DTypePolicy(name), f"auto: {reason}")
-    if name not in VALID_POLICIES + _PURE_POLICIES:
-        raise ValueError(
-            f"Unknown dtype policy {policy!r}. Valid names: {', '.join(VALID_POLICIES)} "
-            "(or pass a keras.DTypePolicy)."
-        )
     return _choice(keras.DTypePolicy(name), "requested")
 
 
 def _set_global(policy: str | keras.DTypePolicy) -> None:
     """Set Keras 3's global policy and, under ``TF_USE_LEGACY_KERAS=1``, tf-keras's too."""
     keras.config.set_dtype_policy(policy)
-    from kmp.compat import keras2
-
-    if keras2.is_legacy_keras():
-        name = policy if isinstance(policy, str) else policy.name
-        keras2.set_global_policy(name)
-
-
-def _built_layers_with_other_policy(name: str) -> list[str]:
-    """Names of live, built Keras layers whose policy is not ``name``.
-
-    ``Float32Output`` heads are float32 by design and not counted. Unreachable
-    layers (a deleted model) are collected first, so they do not count either.
-    """
-    from kmp.layers import Float32Output
-
-    gc.collect()
-    found = []
-    for obj in gc.get_objects():
-        if (
-            isinstance(obj, keras.layers.Layer)
-            and getattr(obj, "built", False)
-            and obj.dtype_policy.name != name
-            and not isinstance(obj, (keras.layers.InputLayer, Float32Output))
-        ):
-            found.append(obj.name)
-    return found
+    if is_legacy_keras():
+        set_legacy_global_policy(policy if isinstance(policy, str) else policy.name)
 
 
 def enable(
@@ -173,6 +142,12 @@ def enable(
     and tf-keras installed, tf-keras's global policy is set as well (see
     :mod:`kmp.compat.keras2`). ``keras.backend.clear_session()`` resets the policy
     to float32: call ``enable`` after it.
+
+    Layers take the global policy when they are created, so layers made before
+    this call keep the policy they had: call it before building the model.
+    ``kmp.audit(model)`` reports any layer whose policy differs from the global
+    one (``policy-mismatch``); ``enable`` itself does not search for them, so
+    its cost does not grow with the program's heap.
 
     Args:
         policy: ``"auto"`` (follow the hardware), ``"mixed_float16"``,
@@ -187,8 +162,7 @@ def enable(
 
     Warns:
         UserWarning: A float16 policy on a machine with no GPU (it is several
-            times slower there), or layers were already built under another
-            policy (they keep the policy they were built with).
+            times slower there).
     """
     env = os.environ.get(POLICY_ENV_VAR)
     if env:
@@ -208,16 +182,6 @@ def enable(
                 if hw.cpu.fast_bfloat16
                 else "Use 'float32' or 'auto'."
             ),
-            UserWarning,
-            stacklevel=2,
-        )
-    stale = _built_layers_with_other_policy(choice.name)
-    if stale:
-        shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
-        warnings.warn(
-            f"kmp.enable({choice.name!r}) was called after {len(stale)} Keras layer(s) were "
-            f"built ({shown}); those layers keep the policy they were built with. Call "
-            "kmp.enable() before building the model (or rebuild it).",
             UserWarning,
             stacklevel=2,
         )

@@ -340,11 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         found = tuple(kmp.callbacks.latest_checkpoint(args.checkpoint_dir))
     path, initial_epoch = kmp.distributed.broadcast_object(found, root=0)
     if path and os.path.exists(path):
-        # Importing these registers kmp's layer and optimizer classes with Keras.
-        import kmp.layers
-        import kmp.optimizer
-
-        model = keras.saving.load_model(path)
+        model = kmp.load_model(path)  # registers kmp's layer and optimizer classes first
         log(f"resumed from {path}: epoch {initial_epoch}, loss scale {loss_scale_of(model)[0]}")
     else:
         model = build_model(args.model, image_shape, spec.num_classes, choice.compute_dtype)
@@ -358,14 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if path:
             print(f"rank {world.rank}: cannot read {path}; taking rank 0's state", flush=True)
     if world.rank == 0:
-        report = kmp.audit(model)
-        text = str(report)
-        if len(report.rows) > 40:  # ResNet-50: the verdict and findings, not 177 rows
-            text = "\n".join(
-                [text.splitlines()[0]]
-                + [f"[{f.severity}] {f.code} ({f.layer}): {f.message}" for f in report.findings]
-            )
-        print(text, flush=True)
+        print(kmp.audit(model).summary(max_rows=40), flush=True)  # ResNet-50: short
     if not model.optimizer.built:  # a loaded optimizer is built, with its state
         model.optimizer.build(model.trainable_variables)
     scale_start, _ = loss_scale_of(model)

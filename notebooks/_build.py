@@ -31,6 +31,25 @@ KERNELSPEC = {"name": "python3", "display_name": "Python 3 (kmp .venv)", "langua
 CELL_TIMEOUT_S = 600
 
 _CELL_MARK = re.compile(r"^# %%(?P<md> \[markdown\])?\s*$")
+# TensorFlow's C++ start-up lines (absl), printed before TF_CPP_MIN_LOG_LEVEL applies on
+# some CPUs: machine noise, not tutorial output, so they are not saved.
+_TF_LOG_LINE = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWE]\d{4} )")
+
+
+def drop_tf_startup_logs(cell: nbformat.NotebookNode) -> None:
+    """Remove stderr outputs that hold nothing but TensorFlow's C++ log lines."""
+    if cell.get("cell_type") != "code":
+        return
+    kept = []
+    for out in cell.get("outputs", []):
+        text = out.get("text", "") if out.get("name") == "stderr" else None
+        if text is not None:
+            lines = [ln for ln in text.splitlines() if not _TF_LOG_LINE.match(ln)]
+            if not any(ln.strip() for ln in lines):
+                continue
+            out["text"] = "\n".join(lines) + "\n"
+        kept.append(out)
+    cell["outputs"] = kept
 
 
 def parse_percent(text: str) -> list[nbformat.NotebookNode]:
@@ -90,6 +109,7 @@ def build(name: str) -> Path:
     nb.metadata["kernelspec"] = dict(KERNELSPEC)  # nbclient writes the kernel's own name
     for i, cell in enumerate(nb.cells):  # stable ids keep rebuild diffs small
         cell["id"] = f"{name.split('_')[0]}-{i:02d}"
+        drop_tf_startup_logs(cell)
     out = HERE / f"{name}.ipynb"
     nbformat.validate(nb)
     nbformat.write(nb, out)

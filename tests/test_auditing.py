@@ -53,10 +53,11 @@ def test_pure_float16_variables_are_an_error():
 
 def test_policy_mismatch_is_flagged():
     model = softmax_model()  # built under float32
-    with pytest.warns(UserWarning, match="keep the policy"):
-        kmp.enable("mixed_bfloat16", hardware=GPU_HW)
+    kmp.enable("mixed_bfloat16", hardware=GPU_HW)  # too late for this model
     report = kmp.audit(model)
     assert "policy-mismatch" in report.codes()
+    mismatch = next(f for f in report.findings if f.code == "policy-mismatch")
+    assert "call kmp.enable() before building the model" in mismatch.message
     assert report.ok  # a warning, not an error
 
 
@@ -133,3 +134,16 @@ def test_cli_audit_exit_codes(tmp_path):
     assert r.returncode == 2 and "no such file" in r.stderr
     r = _kmp("audit", str(tmp_path / "notes.txt"))
     assert r.returncode == 2 and "model.save" in r.stderr
+
+
+def test_summary_is_the_table_for_small_models_and_short_for_large_ones():
+    kmp.enable("mixed_bfloat16", hardware=GPU_HW)
+    model = softmax_model()
+    report = kmp.audit(model)
+    assert report.summary() == str(report)
+    short = report.summary(max_rows=1)
+    lines = short.splitlines()
+    assert lines[0] == str(report).splitlines()[0]  # the verdict
+    assert lines[1].startswith(f"{len(report.rows)} layers: ") and "compute in bfloat16" in lines[1]
+    assert "------" not in short  # no table
+    assert all(f.code in short for f in report.findings)

@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 from conftest import patch_tf_gpus, requires_horovod, run_workers
 
+import kmp
+import kmp._launcher_env as launcher_env
+import kmp._names as names
 import kmp.distributed as dist
+from kmp.distributed.world import _configure_local_gpu
 
 LAUNCH_VARS = (*dist.LAUNCH_SIZE_VARS, "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
@@ -49,22 +53,31 @@ def test_accessors_initialise_lazily(fresh):
     assert dist.is_initialized()
 
 
-@pytest.mark.parametrize(
-    ("env", "expected"),
-    [
-        ({}, None),
-        ({"HOROVOD_SIZE": "4"}, 4),
-        ({"OMPI_COMM_WORLD_SIZE": "2"}, 2),
-        ({"PMI_SIZE": "3"}, 3),
-    ],
-)
-def test_launched_world_size(env, expected):
-    assert dist.launched_world_size(env) == expected
+def test_launcher_env_and_names_are_re_exported():
+    # The launcher variables are read by kmp._launcher_env (see test_launcher_env.py), the
+    # vocabularies live in kmp._names; kmp.distributed keeps offering them under the old names.
+    assert dist.LAUNCH_SIZE_VARS is launcher_env.LAUNCH_SIZE_VARS
+    assert dist.launched_world_size is launcher_env.launched_world_size
+    assert dist.COMPRESSIONS is names.COMPRESSIONS
+    assert dist.REDUCE_OPS is names.REDUCE_OPS
+    assert dist.normalize_compression is names.normalize_compression
+    assert dist.launched_world_size({"HOROVOD_SIZE": "4"}) == 4
 
 
-def test_launched_world_size_rejects_garbage():
-    with pytest.raises(RuntimeError, match="HOROVOD_SIZE"):
-        dist.launched_world_size({"HOROVOD_SIZE": "two"})
+def test_public_names_resolve_from_the_package():
+    assert len(dist.__all__) == len(set(dist.__all__))
+    for name in dist.__all__:
+        assert getattr(dist, name) is not None, name
+    # The submodule world.py does not hide the function world().
+    assert callable(dist.world) and dist.world.__name__ == "world"
+    assert kmp.distributed is dist
+
+
+def test_garbage_launcher_size_is_a_value_error(fresh, monkeypatch):
+    monkeypatch.setenv("HOROVOD_SIZE", "two")
+    with pytest.raises(ValueError, match=r"HOROVOD_SIZE='two'.*unset it"):
+        dist.init()
+    assert not dist.is_initialized()
 
 
 def test_world_above_one_without_horovod_says_how_to_install(fresh, no_horovod, monkeypatch):
@@ -96,12 +109,22 @@ def test_single_process_collectives_are_identities(fresh):
     dist.barrier()
 
 
-@pytest.mark.parametrize("bad", ["zip", "fp8", 16, "int8"])
+@pytest.mark.parametrize("bad", ["zip", "fp8", "int8"])
 def test_unknown_compression_is_rejected(bad):
     with pytest.raises(ValueError, match=r"Unknown compression.*'fp16'"):
         dist.normalize_compression(bad)
     with pytest.raises(ValueError, match="Unknown compression"):
         dist.grouped_allreduce([np.ones(2)], compression=bad)
+    with pytest.raises(ValueError, match="Unknown compression"):
+        dist.payload_bytes([np.ones(2)], compression=bad)
+
+
+@pytest.mark.parametrize("bad", [16, 1.5, ["fp16"]])
+def test_compression_of_the_wrong_type_is_a_type_error(bad):
+    with pytest.raises(TypeError, match="compression must be None, 'fp16' or 'bf16'"):
+        dist.normalize_compression(bad)
+    with pytest.raises(TypeError, match="compression must be"):
+        dist.allreduce(np.ones(2), compression=bad)
 
 
 def test_compression_aliases():
@@ -114,11 +137,27 @@ def test_compression_aliases():
 def test_unknown_op_is_rejected():
     with pytest.raises(ValueError, match=r"Unknown reduction op 'mean'.*average"):
         dist.allreduce(np.ones(2), op="mean")
+    with pytest.raises(TypeError, match="reduction op must be a name"):
+        dist.grouped_allreduce([np.ones(2)], op=None)
+
+
+def test_op_names_are_canonicalised(fresh):
+    x = np.ones(2)
+    assert dist.allreduce(x, op=" SUM ") is x
 
 
 def test_single_process_ignores_root(fresh):
-    # root is checked where it matters (more than one rank: see the worker).
+    # root's range is checked where it matters (more than one rank: see the worker).
     assert dist.broadcast_object(1, root=5) == 1
+    assert dist.broadcast_object(1, root=np.int64(0)) == 1
+
+
+@pytest.mark.parametrize("root", ["0", 1.0, None, True])
+def test_root_of_the_wrong_type_is_a_type_error(fresh, root):
+    with pytest.raises(TypeError, match=r"`root` must be an integer"):
+        dist.broadcast_object(1, root=root)
+    with pytest.raises(TypeError, match=r"`root` must be an integer"):
+        dist.broadcast_variables([], root=root)
 
 
 def test_payload_bytes_halves_with_compression():
@@ -153,7 +192,8 @@ def test_collectives_on_two_real_ranks():
         assert res["bcast_graph"] == [2.0, 2.0, 2.0]
         assert res["bcast_object"] == {"rank": 1, "list": [1, 1]}
         assert res["payload_fp16"] * 2 == res["payload_fp32"]
-        assert "root must be a rank between 0 and 1; got 2" in res["bad_root"]
+        assert "`root` must be an integer from 0 to 1; got 2" in res["bad_root"]
+        assert "this job has 2 ranks" in res["bad_root"]
 
 
 # --------------------------------------------------------------- GPU pinning by init()
@@ -161,7 +201,7 @@ def test_collectives_on_two_real_ranks():
 
 def test_init_pins_one_gpu_per_local_rank(monkeypatch, recwarn):
     fake = patch_tf_gpus(monkeypatch, 2)
-    dist._configure_local_gpu(1)
+    _configure_local_gpu(1)
     assert fake.calls == [
         ("set_visible_devices", ["/physical_device:GPU:1"], "GPU"),
         ("set_memory_growth", "/physical_device:GPU:1", True),
@@ -170,10 +210,11 @@ def test_init_pins_one_gpu_per_local_rank(monkeypatch, recwarn):
 
 
 def test_init_shares_a_gpu_with_a_warning_when_ranks_outnumber_gpus(monkeypatch):
-    # -np 3 on a 2-GPU host: local rank 2 shares GPU 0 instead of failing init().
+    # -np 3 on a 2-GPU host: local rank 2 shares GPU 0 instead of failing init(); the rule is
+    # kmp.gpu's (see test_gpu.py), the same one configure_gpus() applies.
     fake = patch_tf_gpus(monkeypatch, 2)
-    with pytest.warns(RuntimeWarning, match=r"shares GPU 0 .*horovodrun -H host:2"):
-        dist._configure_local_gpu(2)
+    with pytest.warns(RuntimeWarning, match=r"shares GPU 0 .*horovodrun -H host:2.*visible="):
+        _configure_local_gpu(2)
     assert fake.calls == [
         ("set_visible_devices", ["/physical_device:GPU:0"], "GPU"),
         ("set_memory_growth", "/physical_device:GPU:0", True),
@@ -182,5 +223,103 @@ def test_init_shares_a_gpu_with_a_warning_when_ranks_outnumber_gpus(monkeypatch)
 
 def test_init_leaves_a_cpu_only_host_alone(monkeypatch):
     fake = patch_tf_gpus(monkeypatch, 0)
-    dist._configure_local_gpu(1)
+    _configure_local_gpu(1)
     assert fake.calls == []
+
+
+def test_init_gpu_pinning_ignores_the_launcher_variables(monkeypatch):
+    # The engine's local rank is what counts; the launcher's is not read a second time.
+    import kmp.gpu
+
+    fake = patch_tf_gpus(monkeypatch, 2)
+    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "garbage")
+    monkeypatch.setattr(kmp.gpu, "_current_local_rank", pytest.fail)
+    _configure_local_gpu(1)
+    assert fake.calls[0] == ("set_visible_devices", ["/physical_device:GPU:1"], "GPU")
+
+
+def test_init_warns_when_tensorflow_already_set_up_its_gpus(monkeypatch):
+    import tensorflow as tf
+
+    patch_tf_gpus(monkeypatch, 2)
+
+    def too_late(devices, kind):
+        raise RuntimeError("Visible devices cannot be modified after being initialized")
+
+    monkeypatch.setattr(tf.config, "set_visible_devices", too_late)
+    with pytest.warns(
+        RuntimeWarning, match=r"could not pin a GPU to local rank 1.*before building"
+    ):
+        _configure_local_gpu(1)
+
+
+class _FakeHorovod:
+    """Just enough of horovod.tensorflow for init(): a rank layout, no collectives."""
+
+    def __init__(self, rank, size, local_rank, local_size):
+        self.layout = (rank, size, local_rank, local_size)
+        self.initialised = False
+
+    def init(self):
+        self.initialised = True
+
+    def rank(self):
+        return self.layout[0]
+
+    def size(self):
+        return self.layout[1]
+
+    def local_rank(self):
+        return self.layout[2]
+
+    def local_size(self):
+        return self.layout[3]
+
+
+@pytest.fixture
+def fake_horovod(monkeypatch):
+    """init() under a launcher, with a stand-in Horovod and a throw-away state."""
+    import types
+
+    import kmp.gpu
+
+    # kmp.distributed.world is the function world(); the module is reached through sys.modules.
+    world_mod = sys.modules["kmp.distributed.world"]
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(world_mod, "_STATE", world_mod._State())
+    monkeypatch.setattr(kmp.gpu, "_current_local_rank", pytest.fail)
+
+    def install(rank, size, local_rank, local_size):
+        hvd = _FakeHorovod(rank, size, local_rank, local_size)
+        monkeypatch.setitem(sys.modules, "horovod", types.ModuleType("horovod"))
+        monkeypatch.setitem(sys.modules, "horovod.tensorflow", hvd)
+        monkeypatch.setenv("HOROVOD_SIZE", str(size))
+        monkeypatch.setenv("HOROVOD_LOCAL_RANK", "0")  # must not be what picks the GPU
+        return hvd
+
+    return install
+
+
+def test_init_under_a_launcher_passes_horovods_local_rank_to_configure_gpus(
+    monkeypatch, fake_horovod, recwarn
+):
+    hvd = fake_horovod(rank=3, size=4, local_rank=1, local_size=2)
+    fake = patch_tf_gpus(monkeypatch, 2)
+    w = dist.init()
+    assert hvd.initialised
+    assert w == dist.World(rank=3, size=4, local_rank=1, local_size=2, horovod=True)
+    assert dist.uses_horovod() and not dist.is_chief() and dist.size() == 4
+    assert fake.calls == [
+        ("set_visible_devices", ["/physical_device:GPU:1"], "GPU"),
+        ("set_memory_growth", "/physical_device:GPU:1", True),
+    ]
+    assert not [x for x in recwarn if issubclass(x.category, RuntimeWarning)]
+
+
+def test_init_with_more_local_ranks_than_gpus_shares_with_a_warning(monkeypatch, fake_horovod):
+    fake_horovod(rank=2, size=3, local_rank=2, local_size=3)
+    fake = patch_tf_gpus(monkeypatch, 2)
+    with pytest.warns(RuntimeWarning, match=r"Local rank 2 has no GPU of its own.*shares GPU 0"):
+        dist.init()
+    assert fake.calls[0] == ("set_visible_devices", ["/physical_device:GPU:0"], "GPU")

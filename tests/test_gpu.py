@@ -7,10 +7,16 @@ must do nothing.
 
 from __future__ import annotations
 
+import ast
+import warnings
+from pathlib import Path
+
+import numpy as np
 import pytest
 from conftest import FakeTFConfig, gpus, patch_tf_gpus
 
 import kmp
+import kmp._launcher_env as launcher_env
 from kmp import gpu
 
 # ------------------------------------------------------------------ plan_gpus
@@ -99,9 +105,64 @@ def test_index_without_any_gpu_is_an_error():
         gpu.plan_gpus([], visible=0)
 
 
-def test_local_rank_without_its_own_gpu_is_an_error():
-    with pytest.raises(ValueError, match=r"local rank 2.*only 2 GPU.*at most 2 process"):
-        gpu.plan_gpus(gpus(2), local_rank=2)
+@pytest.mark.parametrize(("local_rank", "shared_gpu"), [(2, 0), (3, 1), (5, 1)])
+def test_local_rank_without_its_own_gpu_shares_one(local_rank, shared_gpu):
+    # More ranks on the host than GPUs: local_rank % n_gpus, memory growth on, said so.
+    devs = gpus(2)
+    plan = gpu.plan_gpus(devs, local_rank=local_rank)
+    assert plan.shared is True
+    assert plan.visible == (shared_gpu,) and plan.local_rank == local_rank
+    assert plan.memory_growth is True and plan.memory_limit_mb is None
+    assert f"shares GPU {shared_gpu}" in plan.reason and "no GPU of its own" in plan.reason
+    fake = FakeTFConfig()
+    gpu._apply(plan, devs, fake)
+    assert fake.calls == [
+        ("set_visible_devices", [f"/physical_device:GPU:{shared_gpu}"], "GPU"),
+        ("set_memory_growth", f"/physical_device:GPU:{shared_gpu}", True),
+    ]
+
+
+def test_a_shared_gpu_always_grows_or_is_capped():
+    # Two processes cannot each take a whole GPU: growth is on even if asked off ...
+    assert gpu.plan_gpus(gpus(1), memory_growth=False, local_rank=1).memory_growth is True
+    # ... unless a memory limit caps each of them.
+    plan = gpu.plan_gpus(gpus(1), memory_limit_mb=2048, local_rank=1)
+    assert plan.shared and plan.memory_growth is False and plan.memory_limit_mb == 2048
+
+
+@pytest.mark.parametrize(
+    ("visible", "local_rank"), [("local_rank", 1), ("local_rank", None), ("all", 3), (0, 3)]
+)
+def test_plans_with_a_gpu_of_their_own_are_not_shared(visible, local_rank):
+    assert gpu.plan_gpus(gpus(2), visible=visible, local_rank=local_rank).shared is False
+
+
+def test_resolve_visible_keeps_its_two_tuple_and_shares_too():
+    # kmp.compat.v1.build_session_config unpacks `indices, _ = resolve_visible(...)`.
+    indices, reason = gpu.resolve_visible("local_rank", 2, 3, what="visible_devices")
+    assert indices == (1,) and "shares GPU 1" in reason
+    assert gpu.resolve_visible("local_rank", 4, 3) == ((3,), "Horovod local rank 3")
+    assert gpu.resolve_visible("local_rank", 0, 3)[0] == ()
+
+
+@pytest.mark.parametrize(("local_rank", "error"), [(-1, ValueError), ("1", TypeError)])
+def test_bad_local_rank(local_rank, error):
+    with pytest.raises(error, match="`local_rank` must be an integer >= 0"):
+        gpu.plan_gpus(gpus(2), local_rank=local_rank)
+    with pytest.raises(error, match="`local_rank`"):
+        gpu.resolve_visible("local_rank", 2, local_rank)
+
+
+def test_bad_gpu_count():
+    with pytest.raises(ValueError, match="`n_gpus`"):
+        gpu.resolve_visible("all", -1, None)
+    with pytest.raises(TypeError, match="`n_gpus`"):
+        gpu.resolve_visible("all", 2.0, None)
+
+
+def test_numpy_indices_are_accepted():
+    plan = gpu.plan_gpus(gpus(3), visible=[np.int64(2)], local_rank=np.int32(0))
+    assert plan.visible == (2,) and type(plan.visible[0]) is int and plan.local_rank == 0
 
 
 def test_repeated_index_is_an_error():
@@ -125,15 +186,24 @@ def test_growth_and_limit_together_is_an_error():
         gpu.plan_gpus(gpus(1), memory_growth=True, memory_limit_mb=1024)
 
 
-@pytest.mark.parametrize("limit", [0, -5, "4096", True])
+@pytest.mark.parametrize("limit", [0, -5, 0.5, float("inf")])
 def test_bad_memory_limit(limit):
-    with pytest.raises(ValueError, match="positive number of MiB"):
+    with pytest.raises(ValueError, match=r"`memory_limit_mb` must be .*number of MiB"):
+        gpu.plan_gpus(gpus(1), memory_limit_mb=limit)
+
+
+@pytest.mark.parametrize("limit", ["4096", True])
+def test_memory_limit_of_the_wrong_type(limit):
+    with pytest.raises(TypeError, match=r"`memory_limit_mb` must be .*number of MiB"):
         gpu.plan_gpus(gpus(1), memory_limit_mb=limit)
 
 
 def test_bad_memory_growth_type():
-    with pytest.raises(TypeError, match="memory_growth"):
+    with pytest.raises(TypeError, match="`memory_growth` must be True or False"):
         gpu.plan_gpus(gpus(1), memory_growth="yes")
+    # Checked before it is compared with memory_limit_mb.
+    with pytest.raises(TypeError, match="`memory_growth`"):
+        gpu.plan_gpus(gpus(1), memory_growth="yes", memory_limit_mb=1024)
 
 
 def test_configuring_after_initialisation_says_what_to_do():
@@ -148,25 +218,32 @@ def test_configuring_after_initialisation_says_what_to_do():
 # ------------------------------------------------------------------ local rank
 
 
-@pytest.mark.parametrize(
-    ("env", "expected"),
-    [
-        ({}, None),
-        ({"HOROVOD_LOCAL_RANK": "1"}, 1),
-        ({"OMPI_COMM_WORLD_LOCAL_RANK": "3"}, 3),
-        ({"HOROVOD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "5"}, 0),
-        ({"SLURM_LOCALID": "2"}, 2),
-        ({"HOROVOD_LOCAL_RANK": ""}, None),
-    ],
-)
-def test_launcher_local_rank(env, expected):
-    assert gpu.launcher_local_rank(env) == expected
-
-
-@pytest.mark.parametrize("value", ["x", "-1"])
-def test_bad_launcher_local_rank(value):
+def test_launcher_env_is_re_exported():
+    # The launcher variables are read by kmp._launcher_env (see test_launcher_env.py).
+    assert gpu.LOCAL_RANK_VARS is launcher_env.LOCAL_RANK_VARS
+    assert gpu.launcher_local_rank is launcher_env.launcher_local_rank
+    assert gpu.launcher_local_rank({"HOROVOD_LOCAL_RANK": "1"}) == 1
     with pytest.raises(ValueError, match="HOROVOD_LOCAL_RANK"):
-        gpu.launcher_local_rank({"HOROVOD_LOCAL_RANK": value})
+        gpu.launcher_local_rank({"HOROVOD_LOCAL_RANK": "x"})
+
+
+def test_current_local_rank_reads_only_the_launcher(monkeypatch):
+    for var in gpu.LOCAL_RANK_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert gpu._current_local_rank() is None
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    assert gpu._current_local_rank() == 3
+
+
+def test_gpu_does_not_import_kmp_distributed():
+    tree = ast.parse(Path(gpu.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    assert not [m for m in imported if m.startswith("kmp.distributed")], imported
 
 
 # ------------------------------------------------------------------ the real function
@@ -200,3 +277,79 @@ def test_configure_gpus_uses_tf_config_and_launcher_rank(monkeypatch):
         ("set_visible_devices", ["/physical_device:GPU:1"], "GPU"),
         ("set_memory_growth", "/physical_device:GPU:1", True),
     ]
+
+
+def test_configure_gpus_takes_the_local_rank_as_an_input(monkeypatch):
+    fake = patch_tf_gpus(monkeypatch, 2)
+    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "0")  # ignored: the caller's local rank wins
+    result = kmp.configure_gpus(local_rank=1)
+    assert result.visible == (1,) and result.local_rank == 1 and not result.shared
+    assert fake.calls[0] == ("set_visible_devices", ["/physical_device:GPU:1"], "GPU")
+
+
+def test_configure_gpus_local_rank_none_means_a_single_process(monkeypatch):
+    fake = patch_tf_gpus(monkeypatch, 2)
+    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "garbage")  # not read when local_rank is given
+    result = kmp.configure_gpus(local_rank=None)
+    assert result.visible == (0, 1) and result.local_rank is None
+    assert fake.calls[0] == ("set_visible_devices", [d.name for d in gpus(2)], "GPU")
+
+
+def test_configure_gpus_shares_a_gpu_with_a_warning(monkeypatch):
+    fake = patch_tf_gpus(monkeypatch, 2)
+    with pytest.warns(RuntimeWarning) as record:
+        result = kmp.configure_gpus(local_rank=3)
+    assert result.shared and result.visible == (1,) and result.memory_growth
+    message = str(record[0].message)
+    assert "Local rank 3 has no GPU of its own (this host shows 2)" in message
+    assert "shares GPU 1" in message and "memory growth" in message
+    assert "horovodrun -H host:2" in message and "visible=" in message
+    assert record[0].filename == __file__  # points at the caller
+    assert fake.calls == [
+        ("set_visible_devices", ["/physical_device:GPU:1"], "GPU"),
+        ("set_memory_growth", "/physical_device:GPU:1", True),
+    ]
+
+
+def test_configure_gpus_shares_by_the_launcher_rank_too(monkeypatch):
+    patch_tf_gpus(monkeypatch, 1)
+    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "1")
+    with pytest.warns(RuntimeWarning, match="shares GPU 0"):
+        assert kmp.configure_gpus().visible == (0,)
+
+
+def test_configure_gpus_does_not_warn_with_a_gpu_per_rank(monkeypatch):
+    patch_tf_gpus(monkeypatch, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert kmp.configure_gpus(local_rank=1).visible == (1,)
+        assert kmp.configure_gpus(visible=0, local_rank=5).visible == (0,)
+
+
+@pytest.mark.parametrize(("local_rank", "error"), [(-2, ValueError), (1.0, TypeError)])
+def test_configure_gpus_checks_the_local_rank(monkeypatch, local_rank, error):
+    patch_tf_gpus(monkeypatch, 2)
+    with pytest.raises(error, match="`local_rank`"):
+        kmp.configure_gpus(local_rank=local_rank)
+
+
+def test_configure_gpus_reports_a_bad_launcher_variable(monkeypatch):
+    patch_tf_gpus(monkeypatch, 2)
+    for var in gpu.LOCAL_RANK_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "-1")
+    with pytest.raises(ValueError, match=r"OMPI_COMM_WORLD_LOCAL_RANK='-1'.*non-negative"):
+        kmp.configure_gpus()
+
+
+def test_a_capped_shared_gpu_says_so(monkeypatch):
+    import tensorflow as tf
+
+    fake = patch_tf_gpus(monkeypatch, 1)
+    monkeypatch.setattr(
+        tf.config, "set_logical_device_configuration", fake.set_logical_device_configuration
+    )
+    with pytest.warns(RuntimeWarning, match="shares GPU 0 with another rank, capped at 1024 MiB"):
+        result = kmp.configure_gpus(memory_limit_mb=1024, local_rank=1)
+    assert result.shared and result.memory_limit_mb == 1024 and not result.memory_growth
+    assert [c[0] for c in fake.calls] == ["set_visible_devices", "set_logical_device_configuration"]

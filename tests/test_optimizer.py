@@ -95,12 +95,12 @@ def test_not_an_optimizer(bad, match):
         ({"initial_scale": -1.0}, ValueError, "initial_scale"),
         ({"initial_scale": float("inf")}, ValueError, "initial_scale"),
         ({"growth_interval": 0}, ValueError, "`growth_interval` must be a positive integer"),
-        ({"growth_interval": 2.5}, ValueError, "growth_interval"),
-        ({"growth_interval": True}, ValueError, "growth_interval"),
+        ({"growth_interval": 2.5}, TypeError, "growth_interval"),
+        ({"growth_interval": True}, TypeError, "growth_interval"),
         ({"backward_passes_per_step": 0}, ValueError, "`backward_passes_per_step` must be a pos"),
         ({"backward_passes_per_step": -2}, ValueError, "backward_passes_per_step"),
-        ({"backward_passes_per_step": 2.0}, ValueError, "backward_passes_per_step"),
-        ({"scale_lr": "yes"}, TypeError, "scale_lr must be True or False"),
+        ({"backward_passes_per_step": 2.0}, TypeError, "backward_passes_per_step"),
+        ({"scale_lr": "yes"}, TypeError, "`scale_lr` must be True or False"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):
@@ -167,11 +167,14 @@ def test_tf_keras_optimizer_goes_to_the_keras2_path(monkeypatch):
         sys.modules, "kmp.compat.keras2", types.SimpleNamespace(wrap_optimizer=fake_wrap)
     )
     legacy = type("Adam", (), {"__module__": "tf_keras.src.optimizers.adam"})()
-    out = wrap_optimizer(legacy, loss_scale=128.0, compression="fp16", scale_lr=True)
+    out = kmp.wrap_optimizer(legacy, loss_scale=128.0, compression="fp16", scale_lr=True)
     assert out == "wrapped by keras2"
     assert calls["optimizer"] is legacy
     assert calls["loss_scale"] == 128.0 and calls["compression"] == "fp16" and calls["scale_lr"]
-    assert calls["backward_passes_per_step"] == 1
+    assert "backward_passes_per_step" not in calls  # only what the caller gave
+    # The core itself knows Keras 3 only, and says where a tf-keras optimizer goes.
+    with pytest.raises(TypeError, match=r"tf-keras.*kmp\.compat\.keras2"):
+        wrap_optimizer(legacy)
 
 
 # ---------------------------------------------------------------- idempotence
@@ -183,6 +186,61 @@ def test_wrapping_twice_returns_the_same_optimizer():
     assert wrap_optimizer(opt, compression="fp16", growth_interval=10) is opt
     with pytest.raises(ValueError, match=r"already wrapped.*compression='bf16'.*inner_optimizer"):
         wrap_optimizer(opt, compression="bf16")
+
+
+def test_rewrapping_with_a_different_explicit_setting_is_an_error_even_the_default():
+    opt = wrap_optimizer(keras.optimizers.Adam(), growth_interval=500, hysteresis=2)
+    assert wrap_optimizer(opt) is opt  # nothing given: nothing to compare
+    assert wrap_optimizer(opt, growth_interval=500) is opt
+    # 2000 is the default, but it was given and differs from 500: not silently kept.
+    with pytest.raises(ValueError, match=r"growth_interval=2000 \(it has 500\)"):
+        wrap_optimizer(opt, growth_interval=2000)
+    with pytest.raises(ValueError, match=r"hysteresis=1 \(it has 2\)"):
+        wrap_optimizer(opt, hysteresis=1)
+    with pytest.raises(ValueError, match="`max_scale` must be a positive"):
+        wrap_optimizer(opt, max_scale=-1.0)  # a bad value is still a bad value
+
+
+def test_knobs_reach_the_rule_and_the_settings():
+    keras.config.set_dtype_policy("mixed_float16")
+    opt = wrap_optimizer(
+        keras.optimizers.SGD(),
+        initial_scale=64,
+        growth_interval=5,
+        growth_factor=4,
+        backoff_factor=0.25,
+        min_scale=2,
+        max_scale=2**10,
+        hysteresis=3,
+    )
+    rule = opt.loss_scale_rule
+    assert (rule.kind, rule.initial_scale, rule.growth_interval) == ("dynamic", 64.0, 5)
+    assert (rule.growth_factor, rule.backoff_factor, rule.hysteresis) == (4.0, 0.25, 3)
+    assert (rule.min_scale, rule.max_scale) == (2.0, 1024.0)
+    assert opt.settings()["hysteresis"] == 3 and opt.settings()["loss_scale"] == "dynamic"
+    cfg = json.loads(json.dumps(keras.saving.serialize_keras_object(opt)))
+    assert keras.saving.deserialize_keras_object(cfg).loss_scale_rule == rule
+
+
+def test_a_config_saved_before_the_rule_existed_still_loads():
+    old = {
+        "name": "old",
+        "inner_optimizer": keras.saving.serialize_keras_object(keras.optimizers.SGD(0.1)),
+        "loss_scale": "dynamic",
+        "initial_scale": 256.0,
+        "growth_interval": 7,
+        "compression": None,
+        "backward_passes_per_step": 1,
+        "scale_lr": False,
+        "lr_scale": 1.0,
+        "resolved_mode": "dynamic",
+    }
+    opt = DistributedLossScaleOptimizer.from_config(old)
+    assert opt.loss_scale_mode == "dynamic"  # as decided then, whatever the policy now
+    assert (opt.loss_scale, opt.loss_scale_rule.growth_interval) == (256.0, 7)
+    static = DistributedLossScaleOptimizer.from_config({**old, "loss_scale": 64.0,
+                                                        "resolved_mode": "static"})  # fmt: skip
+    assert static.loss_scale_mode == "static" and static.loss_scale == 64.0
 
 
 def test_keras_loss_scale_optimizer_is_unwrapped_and_rewrapped():
@@ -247,10 +305,16 @@ def test_mode_follows_policy_and_argument(policy, loss_scale, mode, scale):
     assert opt.skipped_steps == 0
 
 
-def test_mode_is_decided_on_first_use_not_at_wrap_time():
-    opt = wrap_optimizer(keras.optimizers.SGD())  # float32 policy now ...
-    keras.config.set_dtype_policy("mixed_float16")  # ... float16 by the time the model trains
+def test_mode_is_decided_at_wrap_time_not_on_first_read():
+    opt = wrap_optimizer(keras.optimizers.SGD())  # float32 policy now: no scaling
+    keras.config.set_dtype_policy("mixed_float16")  # changing the policy later changes nothing
+    assert opt.loss_scale_mode == "none"
+    keras.config.set_dtype_policy("float32")
+    keras.config.set_dtype_policy("mixed_float16")
+    opt = wrap_optimizer(keras.optimizers.SGD())  # wrapped under float16: dynamic
+    keras.config.set_dtype_policy("float32")
     assert opt.loss_scale_mode == "dynamic"
+    assert opt.loss_scale == 2.0**15
 
 
 def test_no_scaling_is_free():
@@ -672,4 +736,4 @@ def test_save_load_resume_equals_training_straight_through(state_job):
 
 
 def test_public_name():
-    assert kmp.wrap_optimizer is wrap_optimizer
+    assert kmp.wrap_optimizer.__wrapped__ is wrap_optimizer

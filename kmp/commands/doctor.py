@@ -66,7 +66,8 @@ def collect() -> dict:
     """Gather everything ``kmp doctor`` reports, as a JSON-ready dict."""
     import keras
 
-    from kmp import __version__, hardware
+    from kmp import hardware
+    from kmp._version import __version__
     from kmp.policy import choose_policy
 
     hw = hardware.detect()

@@ -32,16 +32,20 @@ Example (set ``TF_USE_LEGACY_KERAS=1`` before TensorFlow is imported)::
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
 from types import ModuleType
 from typing import Any
 
+from kmp import _checks
+from kmp import loss_scale as _ls
 from kmp._imports import optional_import
+from kmp._legacy_keras import LEGACY_KERAS_ENV_VAR, is_legacy_keras
+from kmp._names import POLICY_NAMES, normalize_compression, normalize_policy
+from kmp.learning_rate import scaled_learning_rate
 
 __all__ = [
     "LEGACY_KERAS_ENV_VAR",
     "POLICY_NAMES",
+    "TF_KERAS_RULE",
     "broadcast_callback",
     "is_legacy_keras",
     "keras_module_for",
@@ -49,25 +53,15 @@ __all__ = [
     "wrap_optimizer",
 ]
 
-LEGACY_KERAS_ENV_VAR = "TF_USE_LEGACY_KERAS"
-# The values TensorFlow itself accepts (tensorflow/__init__.py routes tf.keras on these).
-_TRUTHY = ("true", "True", "1")
-POLICY_NAMES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
-
-
-def is_legacy_keras() -> bool:
-    """Return True when ``tf.keras`` is tf-keras (Keras 2) in this process.
-
-    That is: ``TF_USE_LEGACY_KERAS`` is set to a value TensorFlow accepts
-    (``1``, ``true``, ``True``) and the ``tf_keras`` package is installed.
-    Neither TensorFlow nor tf-keras is imported to find out.
-    """
-    if os.environ.get(LEGACY_KERAS_ENV_VAR) not in _TRUTHY:
-        return False
-    try:
-        return importlib.util.find_spec("tf_keras") is not None
-    except (ImportError, ValueError):
-        return False
+NOT_GIVEN = _checks.NOT_GIVEN
+# The loss-scale knobs tf-keras's LossScaleOptimizer has fixed: its scale doubles, halves,
+# never drops below 1 and has no upper bound but float32's; it backs off at every overflow.
+TF_KERAS_RULE: dict[str, float] = {
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "min_scale": 1.0,
+    "hysteresis": 1,
+}
 
 
 def _is_tf_keras(module: ModuleType) -> bool:
@@ -116,30 +110,26 @@ def set_global_policy(name: str, keras_module: ModuleType | None = None) -> Any:
         The module's global policy after the change.
 
     Raises:
+        TypeError: ``name`` is not a string.
         ValueError: ``name`` is not a known policy name.
     """
-    key = name.strip().lower() if isinstance(name, str) else name
-    if key not in POLICY_NAMES:
-        raise ValueError(
-            f"Unknown dtype policy {name!r}; use one of {', '.join(POLICY_NAMES)} (resolve "
-            "'auto' with kmp.enable())."
-        )
+    key = normalize_policy(name, allow_auto=False)
     km = keras_module if keras_module is not None else _default_module()
     km.mixed_precision.set_global_policy(key)
     return km.mixed_precision.global_policy()
 
 
 def _check_compression(compression: Any) -> Any:
-    """Return None, "fp16", or a Horovod Compression class given as such."""
-    from kmp import distributed
-
-    if compression is not None and not isinstance(compression, str):
-        if hasattr(compression, "compress") and hasattr(compression, "decompress"):
-            return compression  # a Horovod Compression class, passed through
-        raise TypeError(
-            f"compression must be None, 'fp16' or a Horovod Compression class, not {compression!r}."
-        )
-    name = distributed.normalize_compression(compression)
+    """Return None, "fp16", or a custom Horovod Compression class passed through."""
+    if (
+        compression is not None
+        and not isinstance(compression, str)
+        and hasattr(compression, "compress")
+        and hasattr(compression, "decompress")
+        and getattr(compression, "__name__", "") not in ("NoneCompressor", "FP16Compressor")
+    ):
+        return compression  # a custom Horovod Compression class: only Horovod's layer knows it
+    name = normalize_compression(compression)
     if name == "bf16":
         raise ValueError(
             "compression='bf16' is not available on the tf-keras path: Horovod's Keras layer "
@@ -170,45 +160,38 @@ def _check_optimizer(optimizer: Any, km: ModuleType) -> None:
         )
 
 
-def _check_loss_scale(loss_scale: Any, initial_scale: Any, growth_interval: Any) -> None:
-    if loss_scale not in (None, "dynamic", "force_dynamic") and (
-        not isinstance(loss_scale, int | float)
-        or isinstance(loss_scale, bool)
-        or not 0 < loss_scale < float("inf")
-    ):
+def _tf_keras_rule(loss_scale: Any, knobs: dict[str, Any], km: ModuleType) -> _ls.LossScale:
+    """Resolve the loss-scale setting with kmp's rule; refuse knobs tf-keras cannot honour."""
+    rule = _ls.from_setting(
+        loss_scale, compute_dtype=km.mixed_precision.global_policy().compute_dtype, **knobs
+    )
+    fixed = [
+        f"{k}={knobs[k]!r} (tf-keras uses {v!r})"
+        for k, v in TF_KERAS_RULE.items()
+        if _checks.given(knobs.get(k, NOT_GIVEN)) and getattr(rule, k) != v
+    ]
+    if _checks.given(knobs.get("max_scale", NOT_GIVEN)):
+        fixed.append(f"max_scale={knobs['max_scale']!r} (tf-keras's scale has no upper bound)")
+    if fixed:
         raise ValueError(
-            f"loss_scale must be 'dynamic', 'force_dynamic', None or a positive finite number, "
-            f"not {loss_scale!r}."
+            "tf-keras's LossScaleOptimizer, which this path uses with Horovod's Keras layer, "
+            f"cannot do {', '.join(fixed)}. Leave these at their defaults, or move the model "
+            "to Keras 3 and use kmp.wrap_optimizer, which has every knob."
         )
-    if not isinstance(initial_scale, int | float) or not 1 <= initial_scale < float("inf"):
-        raise ValueError(f"initial_scale must be a finite number >= 1, not {initial_scale!r}.")
-    if (
-        not isinstance(growth_interval, int)
-        or isinstance(growth_interval, bool)
-        or growth_interval < 1
-    ):
-        raise ValueError(f"growth_interval must be a positive int, not {growth_interval!r}.")
-
-
-def _scale_learning_rate(optimizer: Any, factor: int, km: ModuleType) -> None:
-    schedule = km.optimizers.schedules.LearningRateSchedule
-    raw = getattr(optimizer, "_learning_rate", None)
-    lr = optimizer.learning_rate
-    if isinstance(raw, schedule) or isinstance(lr, schedule):
-        raise ValueError(
-            "scale_lr=True cannot scale a learning-rate schedule; pass scale_lr=False and build "
-            "the schedule with the learning rate multiplied by kmp.distributed.size()."
-        )
-    value = float(lr.numpy()) if hasattr(lr, "numpy") else float(lr)
-    optimizer.learning_rate = value * factor
+    return rule
 
 
 def wrap_optimizer(
     optimizer: Any,
     *,
     loss_scale: str | float | None = "dynamic",
-    initial_scale: float = 2.0**15,
-    growth_interval: int = 2000,
+    initial_scale: float = NOT_GIVEN,
+    growth_interval: int = NOT_GIVEN,
+    growth_factor: float = NOT_GIVEN,
+    backoff_factor: float = NOT_GIVEN,
+    min_scale: float = NOT_GIVEN,
+    max_scale: float = NOT_GIVEN,
+    hysteresis: int = NOT_GIVEN,
     compression: Any = None,
     backward_passes_per_step: int = 1,
     scale_lr: bool = False,
@@ -218,7 +201,11 @@ def wrap_optimizer(
 
     Call it after the dtype policy is set (:func:`set_global_policy` or
     ``kmp.enable``) and after ``kmp.distributed.init()``. In a single process
-    (no launcher) Horovod is not used and only loss scaling is added.
+    (no launcher) Horovod is not used and only loss scaling is added. The
+    arguments are checked by the same rule as :func:`kmp.wrap_optimizer`
+    (:mod:`kmp.loss_scale`); tf-keras's own ``LossScaleOptimizer`` does the
+    scaling, so the knobs it has fixed (:data:`TF_KERAS_RULE`) cannot be changed
+    here, and its scale has no ``max_scale``.
 
     Args:
         optimizer: A ``tf_keras.optimizers`` optimizer (new or legacy). A
@@ -230,14 +217,19 @@ def wrap_optimizer(
             any policy; a positive number: a fixed loss scale (tf-keras then
             applies non-finite steps too, unlike :func:`kmp.wrap_optimizer`);
             None: no loss scaling.
-        initial_scale: The first dynamic loss scale.
+        initial_scale: The first dynamic loss scale (default ``2**15``, >= 1).
         growth_interval: Finite steps in a row before the dynamic scale doubles
-            (``dynamic_growth_steps``).
+            (``dynamic_growth_steps``, default 2000).
+        growth_factor: Only tf-keras's 2.0.
+        backoff_factor: Only tf-keras's 0.5.
+        min_scale: Only tf-keras's 1.0.
+        max_scale: Not available (tf-keras's scale has no upper bound).
+        hysteresis: Only tf-keras's 1.
         compression: None, ``"fp16"``, or a Horovod ``Compression`` class.
         backward_passes_per_step: Batches whose gradients are accumulated locally
             (and averaged) before one allreduce and update.
         scale_lr: Multiply the learning rate by the number of ranks (in place,
-            before wrapping).
+            before wrapping; a schedule cannot be scaled here).
         keras_module: ``tf_keras``; None takes the optimizer's own module.
 
     Returns:
@@ -245,8 +237,9 @@ def wrap_optimizer(
 
     Raises:
         TypeError: ``optimizer`` is a Keras 3 optimizer (use ``kmp.wrap_optimizer``)
-            or not an optimizer.
-        ValueError: An already wrapped optimizer or a bad argument.
+            or not an optimizer, or an argument has the wrong type.
+        ValueError: An already wrapped optimizer, a bad argument, or a knob tf-keras
+            does not have.
         ImportError: Several processes were launched but Horovod is missing.
     """
     km = keras_module if keras_module is not None else keras_module_for(optimizer)
@@ -257,17 +250,18 @@ def wrap_optimizer(
         inner_opt = optimizer.inner_optimizer
         optimizer = type(inner_opt).from_config(inner_opt.get_config())
     _check_optimizer(optimizer, km)
-    _check_loss_scale(loss_scale, initial_scale, growth_interval)
-    if (
-        not isinstance(backward_passes_per_step, int)
-        or isinstance(backward_passes_per_step, bool)
-        or backward_passes_per_step < 1
-    ):
-        raise ValueError(
-            f"backward_passes_per_step must be a positive int, not {backward_passes_per_step!r}."
-        )
-    if not isinstance(scale_lr, bool):
-        raise TypeError(f"scale_lr must be True or False, not {scale_lr!r}.")
+    knobs = {
+        "initial_scale": initial_scale,
+        "growth_interval": growth_interval,
+        "growth_factor": growth_factor,
+        "backoff_factor": backoff_factor,
+        "min_scale": min_scale,
+        "max_scale": max_scale,
+        "hysteresis": hysteresis,
+    }
+    rule = _tf_keras_rule(loss_scale, knobs, km)
+    passes = _checks.check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
+    _checks.check_bool("scale_lr", scale_lr)
     from kmp import distributed
 
     comp = _check_compression(compression)
@@ -278,29 +272,33 @@ def wrap_optimizer(
         if comp is None or isinstance(comp, str):
             comp = hvd_keras.Compression.fp16 if comp == "fp16" else hvd_keras.Compression.none
     if scale_lr:
-        _scale_learning_rate(optimizer, world.size, km)
+        raw = getattr(optimizer, "_learning_rate", None)
+        optimizer.learning_rate = scaled_learning_rate(
+            raw if raw is not None else optimizer.learning_rate,
+            world.size,
+            schedule_type=km.optimizers.schedules.LearningRateSchedule,
+        )
     inner = optimizer
     if hvd_keras is not None:
         inner = hvd_keras.DistributedOptimizer(
             optimizer,
             compression=comp,
-            backward_passes_per_step=backward_passes_per_step,
+            backward_passes_per_step=passes,
             average_aggregated_gradients=True,
         )
-    elif backward_passes_per_step > 1:
+    elif passes > 1:
         raise ValueError(
             "backward_passes_per_step > 1 needs Horovod's gradient aggregation, which runs only "
             "under horovodrun; use 1 in a single process."
         )
-    policy = km.mixed_precision.global_policy()
-    if loss_scale is None or (loss_scale == "dynamic" and policy.compute_dtype != "float16"):
+    if rule.kind == "none":
         return inner
-    if loss_scale in ("dynamic", "force_dynamic"):
+    if rule.dynamic:
         return km.mixed_precision.LossScaleOptimizer(
-            inner, initial_scale=float(initial_scale), dynamic_growth_steps=growth_interval
+            inner, initial_scale=rule.initial_scale, dynamic_growth_steps=rule.growth_interval
         )
     return km.mixed_precision.LossScaleOptimizer(
-        inner, dynamic=False, initial_scale=float(loss_scale)
+        inner, dynamic=False, initial_scale=rule.initial_scale
     )
 
 

@@ -246,7 +246,10 @@ plt.show()
 # ## 4. A real run: the loss-scale trajectory and the skipped steps
 #
 # `kmp.wrap_optimizer` does all of it in one optimizer. To make the mechanism visible we start
-# far too high, at 2^30, and let the scale try to grow every 30 steps (instead of 2000).
+# far too high, at 2^30, and let the scale try to grow every 30 steps (instead of 2000). The
+# scale always stays within `[min_scale, max_scale]` (by default 1 to 2^24), so starting at
+# 2^30 means raising `max_scale` as well. The other knobs are `growth_factor` (2.0),
+# `backoff_factor` (0.5) and `hysteresis` (1: back off at every overflowing step).
 # `kmp.callbacks.LossScaleMonitor` puts `loss_scale` and `skipped_steps` into the Keras logs
 # and prints a line whenever a step is skipped; a small recorder callback after it keeps the
 # per-step values for the plot.
@@ -261,7 +264,7 @@ with warnings.catch_warnings():
 keras.utils.set_random_seed(0)
 model = kmp.float32_outputs(build_mlp())
 optimizer = kmp.wrap_optimizer(keras.optimizers.Adam(2e-3), initial_scale=2**30,
-                               growth_interval=30)
+                               max_scale=2**30, growth_interval=30)
 model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 print("loss scaling:", optimizer.loss_scale_mode, "| starting scale 2^30 =", optimizer.loss_scale)
 

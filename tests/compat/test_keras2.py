@@ -93,10 +93,12 @@ def test_set_global_policy_defaults_to_tf_keras_under_legacy_keras(monkeypatch):
     assert tf_keras.mixed_precision.global_policy().name == "mixed_float16"
 
 
-@pytest.mark.parametrize("name", ["auto", "fp16", 16])
+@pytest.mark.parametrize("name", ["auto", "fp16"])
 def test_set_global_policy_bad_name(name):
     with pytest.raises(ValueError, match=r"Unknown dtype policy.*kmp\.enable"):
         keras2.set_global_policy(name, keras_module=tf_keras)
+    with pytest.raises(TypeError, match="must be a string"):
+        keras2.set_global_policy(16, keras_module=tf_keras)
 
 
 # ------------------------------------------------------------------ wrap_optimizer (one process)
@@ -166,15 +168,26 @@ def test_scale_lr(one_process):
     sgd = tf_keras.optimizers.SGD(0.1)
     keras2.wrap_optimizer(sgd, scale_lr=True)  # one process: unchanged
     assert float(sgd.learning_rate.numpy()) == pytest.approx(0.1)
-    keras2._scale_learning_rate(sgd, 4, tf_keras)
+    # The one rule of kmp.learning_rate, with tf-keras's schedule type and no wrapper.
+    from kmp.learning_rate import scaled_learning_rate
+
+    def scale(opt, factor):
+        raw = getattr(opt, "_learning_rate", None)
+        opt.learning_rate = scaled_learning_rate(
+            raw if raw is not None else opt.learning_rate,
+            factor,
+            schedule_type=tf_keras.optimizers.schedules.LearningRateSchedule,
+        )
+
+    scale(sgd, 4)
     assert float(sgd.learning_rate.numpy()) == pytest.approx(0.4)
     sched = tf_keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
-    with pytest.raises(ValueError, match="cannot scale a learning-rate schedule"):
-        keras2._scale_learning_rate(tf_keras.optimizers.SGD(sched), 2, tf_keras)
-    with pytest.raises(ValueError, match="cannot scale a learning-rate schedule"):
-        keras2._scale_learning_rate(tf_keras.optimizers.legacy.SGD(sched), 2, tf_keras)
+    with pytest.raises(ValueError, match="cannot scale the learning-rate schedule"):
+        scale(tf_keras.optimizers.SGD(sched), 2)
+    with pytest.raises(ValueError, match="cannot scale the learning-rate schedule"):
+        scale(tf_keras.optimizers.legacy.SGD(sched), 2)
     legacy = tf_keras.optimizers.legacy.SGD(0.1)
-    keras2._scale_learning_rate(legacy, 2, tf_keras)
+    scale(legacy, 2)
     assert float(legacy.learning_rate) == pytest.approx(0.2)
 
 
@@ -197,9 +210,13 @@ def test_bad_wrap_arguments(one_process):
     sgd = tf_keras.optimizers.SGD()
     with pytest.raises(TypeError, match="takes a tf_keras optimizer"):
         keras2.wrap_optimizer("sgd", keras_module=tf_keras)
-    for bad in (-1, 0, "static", float("nan"), True):
-        with pytest.raises(ValueError, match="loss_scale must be"):
+    for bad in (-1, 0, float("nan")):
+        with pytest.raises(ValueError, match="`loss_scale` must be a positive finite"):
             keras2.wrap_optimizer(sgd, loss_scale=bad)
+    with pytest.raises(ValueError, match="Unknown loss_scale 'static'"):
+        keras2.wrap_optimizer(sgd, loss_scale="static")
+    with pytest.raises(TypeError, match="loss_scale must be"):
+        keras2.wrap_optimizer(sgd, loss_scale=True)
     with pytest.raises(ValueError, match="initial_scale"):
         keras2.wrap_optimizer(sgd, initial_scale=0)
     with pytest.raises(ValueError, match="growth_interval"):
@@ -210,12 +227,22 @@ def test_bad_wrap_arguments(one_process):
         keras2.wrap_optimizer(sgd, compression="zip")
     with pytest.raises(TypeError, match="compression must be"):
         keras2.wrap_optimizer(sgd, compression=3)
-    with pytest.raises(ValueError, match="backward_passes_per_step must be"):
+    with pytest.raises(ValueError, match="`backward_passes_per_step` must be"):
         keras2.wrap_optimizer(sgd, backward_passes_per_step=0)
     with pytest.raises(ValueError, match="needs Horovod's gradient aggregation"):
         keras2.wrap_optimizer(sgd, backward_passes_per_step=2)
     with pytest.raises(TypeError, match="scale_lr"):
         keras2.wrap_optimizer(sgd, scale_lr=1)
+    # The knobs tf-keras has fixed: the same check as kmp.wrap_optimizer, then a clear refusal.
+    with pytest.raises(ValueError, match="growth_factor"):
+        keras2.wrap_optimizer(sgd, growth_factor=0.5)
+    for knob, value in (("growth_factor", 3.0), ("min_scale", 2.0), ("hysteresis", 2)):
+        with pytest.raises(ValueError, match=rf"cannot do {knob}=.*tf-keras uses"):
+            keras2.wrap_optimizer(sgd, loss_scale="force_dynamic", **{knob: value})
+    with pytest.raises(ValueError, match=r"max_scale.*no upper bound"):
+        keras2.wrap_optimizer(sgd, max_scale=2.0**20)
+    # Its own values are accepted.
+    keras2.wrap_optimizer(sgd, loss_scale="force_dynamic", growth_factor=2.0, hysteresis=1)
 
 
 def test_kmp_wrap_optimizer_dispatches_tf_keras_optimizers(one_process):

@@ -114,9 +114,15 @@ def test_session_config_on_this_machine(no_launcher):
 # ------------------------------------------------------------------ bad input
 
 
-@pytest.mark.parametrize("fraction", [0, 0.0, -0.1, 1.01, 2, "0.5", True])
+@pytest.mark.parametrize("fraction", [0, 0.0, -0.1, 1.01, 2, float("nan")])
 def test_memory_fraction_outside_0_1(fraction):
-    with pytest.raises(ValueError, match=r"memory_fraction must be a fraction .* in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"`memory_fraction` must be a finite number > 0 and <= 1"):
+        build(memory_fraction=fraction)
+
+
+@pytest.mark.parametrize("fraction", ["0.5", True])
+def test_memory_fraction_must_be_a_number(fraction):
+    with pytest.raises(TypeError, match=r"`memory_fraction` must be .*fraction of each GPU"):
         build(memory_fraction=fraction)
 
 
@@ -130,15 +136,27 @@ def test_visible_device_beyond_gpus(visible, n_gpus):
         build(visible_devices=visible, n_gpus=n_gpus)
 
 
-def test_local_rank_beyond_gpus():
-    with pytest.raises(ValueError, match=r"local rank 2, but this host shows only 2 GPU"):
-        build(n_gpus=2, local_rank=2)
+def test_local_rank_beyond_gpus_shares_a_gpu():
+    # kmp.gpu's one rule: more ranks than GPUs share GPU local_rank % n.
+    assert build(n_gpus=2, local_rank=2).gpu_options.visible_device_list == "0"
+    assert build(n_gpus=2, local_rank=3).gpu_options.visible_device_list == "1"
+
+
+def test_session_config_warns_when_ranks_share_a_gpu(monkeypatch, no_launcher):
+    from conftest import patch_tf_gpus
+
+    patch_tf_gpus(monkeypatch, 1)
+    monkeypatch.setenv("HOROVOD_LOCAL_RANK", "1")
+    with pytest.warns(RuntimeWarning, match=r"Local rank 1 has no GPU of its own.*shares GPU 0"):
+        config = kv1.session_config(allow_growth=False)
+    assert config.gpu_options.allow_growth  # sharing turns growth on
+    assert config.gpu_options.visible_device_list == ""  # the one GPU there is: all
 
 
 @pytest.mark.parametrize("arg", ["intra_op_threads", "inter_op_threads"])
-@pytest.mark.parametrize("value", [-1, 1.5, "2"])
-def test_bad_thread_counts(arg, value):
-    with pytest.raises(ValueError, match=f"{arg} must be a non-negative int"):
+@pytest.mark.parametrize(("value", "error"), [(-1, ValueError), (1.5, TypeError), ("2", TypeError)])
+def test_bad_thread_counts(arg, value, error):
+    with pytest.raises(error, match=f"`{arg}` must be an integer >= 0"):
         build(**{arg: value})
 
 
@@ -149,15 +167,15 @@ def test_unknown_mixed_precision():
 
 @pytest.mark.parametrize("arg", ["allow_growth", "allow_soft_placement", "log_device_placement"])
 def test_flags_must_be_bools(arg):
-    with pytest.raises(TypeError, match=f"{arg} must be True or False"):
+    with pytest.raises(TypeError, match=f"`{arg}` must be True or False"):
         build(**{arg: "yes"})
 
 
 def test_bfloat16_without_onednn_is_an_error(monkeypatch, no_launcher):
-    monkeypatch.setattr(kv1, "_onednn_enabled", lambda: False)
+    monkeypatch.setattr(kv1.sessions, "_onednn_enabled", lambda: False)
     with pytest.raises(RuntimeError, match="TF_ENABLE_ONEDNN_OPTS=1"):
         kv1.session_config(mixed_precision="bfloat16")
-    monkeypatch.setattr(kv1, "_onednn_enabled", lambda: True)
+    monkeypatch.setattr(kv1.sessions, "_onednn_enabled", lambda: True)
     ro = kv1.session_config(mixed_precision="bfloat16").graph_options.rewrite_options
     assert ro.auto_mixed_precision_onednn_bfloat16 == ON
 
@@ -281,13 +299,13 @@ def test_dynamic_scale_never_drops_below_one():
 
 def test_scale_lr_multiplies_each_kind_of_learning_rate():
     gd = v1.train.GradientDescentOptimizer(0.1)
-    kv1._scale_learning_rate(gd, 4)
+    kv1.optimizer._scale_learning_rate(gd, 4)
     assert gd._learning_rate == pytest.approx(0.4)
     adam = v1.train.AdamOptimizer(0.01)
-    kv1._scale_learning_rate(adam, 2)
+    kv1.optimizer._scale_learning_rate(adam, 2)
     assert adam._lr == pytest.approx(0.02)
     sched = v1.train.MomentumOptimizer(lambda: 0.5, momentum=0.9)
-    kv1._scale_learning_rate(sched, 3)
+    kv1.optimizer._scale_learning_rate(sched, 3)
     assert sched._learning_rate() == pytest.approx(1.5)
 
 
@@ -297,12 +315,21 @@ def test_scale_lr_in_one_process_keeps_the_rate():
 
 
 def test_compression_names_and_horovod_classes():
-    assert kv1._normalize_compression(None) is None
-    assert kv1._normalize_compression("fp16") == "fp16"
-    assert kv1._normalize_compression("bfloat16") == "bf16"
+    from kmp._names import normalize_compression
+
     hvd = pytest.importorskip("horovod.tensorflow")
-    assert kv1._normalize_compression(hvd.Compression.fp16) == "fp16"
-    assert kv1._normalize_compression(hvd.Compression.none) is None
+    gd = v1.train.GradientDescentOptimizer(0.1)
+    for given, name in [
+        (None, None),
+        ("fp16", "fp16"),
+        ("bfloat16", "bf16"),
+        (hvd.Compression.fp16, "fp16"),
+        (hvd.Compression.none, None),
+    ]:
+        assert normalize_compression(given) == name
+        assert kv1.distributed_optimizer(gd, compression=given)._compression == name
+    with pytest.raises(TypeError, match="compression must be None, 'fp16' or 'bf16'"):
+        kv1.distributed_optimizer(gd, compression=3)
 
 
 def test_bad_optimizer_arguments():
@@ -317,9 +344,15 @@ def test_bad_optimizer_arguments():
     mplso = v1.mixed_precision.MixedPrecisionLossScaleOptimizer(gd, "dynamic")
     with pytest.raises(ValueError, match=r"MixedPrecisionLossScaleOptimizer.*loss_scale='dynamic'"):
         kv1.distributed_optimizer(mplso)
-    for bad in (-1, 0, "static", float("inf"), True):
-        with pytest.raises(ValueError, match="loss_scale must be None, 'dynamic'"):
+    for bad in (-1, 0, float("inf")):
+        with pytest.raises(ValueError, match="`loss_scale` must be a positive finite number"):
             kv1.distributed_optimizer(gd, loss_scale=bad)
+    with pytest.raises(ValueError, match=r"Unknown loss_scale 'static'.*'force_dynamic'"):
+        kv1.distributed_optimizer(gd, loss_scale="static")
+    with pytest.raises(TypeError, match="loss_scale must be 'dynamic'"):
+        kv1.distributed_optimizer(gd, loss_scale=True)
+    with pytest.raises(ValueError, match="hysteresis"):
+        kv1.distributed_optimizer(gd, loss_scale="dynamic", hysteresis=0)
     with pytest.raises(ValueError, match="initial_scale"):
         kv1.distributed_optimizer(gd, loss_scale="dynamic", initial_scale=0.5)
     with pytest.raises(ValueError, match="growth_interval"):
@@ -336,7 +369,7 @@ def test_scale_lr_on_an_unknown_optimizer():
             super().__init__(False, "Custom")
 
     with pytest.raises(ValueError, match="cannot find the learning rate"):
-        kv1._scale_learning_rate(Custom(), 2)
+        kv1.optimizer._scale_learning_rate(Custom(), 2)
 
 
 def test_broadcast_needs_graph_mode():
@@ -382,3 +415,10 @@ def test_tf1_script_keeps_ranks_identical():
     assert d0["global_steps"] == d1["global_steps"] == [1, 2, 2, 3, 4, 5]
     if d0["onednn"]:  # the bfloat16 graph rewrite really ran
         assert d0["bf16_matmuls"] > 0
+
+
+def test_force_dynamic_is_dynamic_in_a_graph():
+    gd = v1.train.GradientDescentOptimizer(0.1)
+    assert kv1.distributed_optimizer(gd, loss_scale="force_dynamic").dynamic
+    assert kv1.distributed_optimizer(gd, loss_scale="dynamic").loss_scale_rule.kind == "dynamic"
+    assert not kv1.distributed_optimizer(gd).loss_scale_rule.scaling  # None: the default

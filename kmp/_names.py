@@ -1,0 +1,139 @@
+"""kmp's vocabularies: every accepted name, and its canonical form, in one place.
+
+Policy names, loss-scale settings, gradient compressions and reduction ops are
+read here by every path (Keras 3, the JAX engine, TF1 graphs, tf-keras), so a
+name accepted by one is accepted by all, and every error lists the same
+choices. This module imports nothing from kmp and nothing heavy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "COMPRESSIONS",
+    "LOSS_SCALE_KINDS",
+    "LOSS_SCALE_MODES",
+    "MIXED_POLICIES",
+    "POLICY_NAMES",
+    "PURE_POLICIES",
+    "REDUCE_OPS",
+    "VALID_POLICIES",
+    "compute_dtype_of",
+    "normalize_compression",
+    "normalize_policy",
+    "normalize_reduce_op",
+]
+
+# ----------------------------------------------------------------------- policies
+
+# What kmp.enable() takes: "auto" plus the Keras mixed and full-precision policies.
+VALID_POLICIES: tuple[str, ...] = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
+# Also accepted by name, for users who know what they ask for (no float32 master weights).
+PURE_POLICIES: tuple[str, ...] = ("float16", "bfloat16")
+# Every concrete policy name (what "auto" resolves to, and what tf-keras accepts).
+POLICY_NAMES: tuple[str, ...] = ("float32", "mixed_float16", "mixed_bfloat16", *PURE_POLICIES)
+# Mixed policy -> the 16-bit dtype it computes in.
+MIXED_POLICIES: dict[str, str] = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
+
+
+def normalize_policy(name: Any, *, allow_auto: bool = True) -> str:
+    """Return the canonical policy name for ``name`` (stripped, lower case).
+
+    Args:
+        name: A policy name such as ``"mixed_bfloat16"``.
+        allow_auto: Accept ``"auto"`` (False where it must be resolved first).
+
+    Returns:
+        The canonical name.
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: ``name`` is not a known policy name.
+    """
+    if not isinstance(name, str):
+        raise TypeError(
+            f"A dtype policy name must be a string such as 'mixed_bfloat16', not "
+            f"{type(name).__name__} {name!r}."
+        )
+    key = name.strip().lower()
+    known = (("auto",) if allow_auto else ()) + POLICY_NAMES
+    if key not in known:
+        hint = "" if allow_auto else " (resolve 'auto' with kmp.enable() first)"
+        raise ValueError(f"Unknown dtype policy {name!r}. Valid names: {', '.join(known)}{hint}.")
+    return key
+
+
+def compute_dtype_of(name: str) -> str:
+    """Return the compute dtype of a concrete policy name (``"mixed_float16"`` -> ``"float16"``)."""
+    key = normalize_policy(name, allow_auto=False)
+    return MIXED_POLICIES.get(key, key)
+
+
+# ------------------------------------------------------------------- loss scaling
+
+# The string values ``loss_scale=`` takes; a positive number means a static scale.
+LOSS_SCALE_MODES: tuple[str, ...] = ("dynamic", "force_dynamic")
+# What a loss-scale setting resolves to once the policy is known.
+LOSS_SCALE_KINDS: tuple[str, ...] = ("none", "static", "dynamic")
+
+# -------------------------------------------------------------------- compression
+
+# Accepted compression names -> canonical name (None means no compression).
+COMPRESSIONS: dict[str | None, str | None] = {
+    None: None,
+    "none": None,
+    "fp16": "fp16",
+    "float16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+}
+# Horovod's built-in Compression classes, by class name -> kmp's name.
+_HOROVOD_COMPRESSORS: dict[str, str | None] = {"NoneCompressor": None, "FP16Compressor": "fp16"}
+
+
+def normalize_compression(compression: Any) -> str | None:
+    """Return the canonical compression name: None, ``"fp16"`` or ``"bf16"``.
+
+    Horovod's own ``hvd.Compression.none`` and ``hvd.Compression.fp16`` are
+    accepted too, for code that passes them.
+
+    Raises:
+        TypeError: ``compression`` is neither a name, None, nor a Horovod compressor.
+        ValueError: ``compression`` is an unknown name.
+    """
+    if compression is not None and not isinstance(compression, str):
+        cls_name = getattr(compression, "__name__", type(compression).__name__)
+        if cls_name in _HOROVOD_COMPRESSORS:
+            return _HOROVOD_COMPRESSORS[cls_name]
+        raise TypeError(
+            f"compression must be None, 'fp16' or 'bf16' (or Horovod's hvd.Compression.none / "
+            f".fp16), not {type(compression).__name__} {compression!r}."
+        )
+    key = compression.strip().lower() if isinstance(compression, str) else compression
+    if key not in COMPRESSIONS:
+        raise ValueError(
+            f"Unknown compression {compression!r}. Use None (send gradients as they are), "
+            "'fp16' (send float16, half the bytes) or 'bf16' (send bfloat16, half the bytes)."
+        )
+    return COMPRESSIONS[key]
+
+
+# ---------------------------------------------------------------------- reduction
+
+REDUCE_OPS: tuple[str, ...] = ("average", "sum", "min", "max", "product")
+
+
+def normalize_reduce_op(op: Any) -> str:
+    """Return the canonical reduction name, one of :data:`REDUCE_OPS`.
+
+    Raises:
+        TypeError: ``op`` is not a string.
+        ValueError: ``op`` is not a known reduction.
+    """
+    if not isinstance(op, str):
+        raise TypeError(f"A reduction op must be a name ({', '.join(REDUCE_OPS)}), not {op!r}.")
+    name = op.strip().lower()
+    if name not in REDUCE_OPS:
+        raise ValueError(f"Unknown reduction op {op!r}; use one of {', '.join(REDUCE_OPS)}.")
+    return name

@@ -1,0 +1,221 @@
+"""LossScaleMonitor: the loss scale and skipped steps in the logs, and a stuck scale reported."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import keras
+
+from kmp._checks import check_bool, check_choice, check_int
+from kmp.callbacks._ranks import _chief_print, _model_optimizer, _to_float
+
+__all__ = ["STUCK_ACTIONS", "LossScaleMonitor"]
+
+# What LossScaleMonitor(on_stuck=...) does when the scale is stuck at its minimum.
+STUCK_ACTIONS = ("warn", "stop")
+
+
+def _reports_nothing(optimizer: Any) -> bool:
+    """True for a kmp optimizer that says it can never skip a step (no scaling, no windows)."""
+    return getattr(optimizer, "can_skip", True) is False
+
+
+def _kmp_style(optimizer: Any) -> bool:
+    """True for an optimizer exposing ``loss_scale`` and ``skipped_steps`` as kmp's does."""
+    return hasattr(optimizer, "skipped_steps") and hasattr(optimizer, "loss_scale")
+
+
+def _find_scaler(optimizer: Any) -> Any | None:
+    """Return the optimizer that holds the loss scale: ``optimizer`` or one it wraps.
+
+    That is a kmp-style optimizer or a ``keras.optimizers.LossScaleOptimizer``,
+    found along the ``inner_optimizer`` chain; None when there is none.
+    """
+    seen: set[int] = set()
+    opt = optimizer
+    while opt is not None and id(opt) not in seen:
+        seen.add(id(opt))
+        if _kmp_style(opt) or isinstance(opt, keras.optimizers.LossScaleOptimizer):
+            return opt
+        opt = getattr(opt, "inner_optimizer", None)
+    return None
+
+
+def _read_loss_scale(scaler: Any | None) -> tuple[float | None, int | None]:
+    """Read ``(loss_scale, skipped_steps)`` from what :func:`_find_scaler` returned.
+
+    A kmp optimizer exposes both; a plain ``keras.optimizers.LossScaleOptimizer``
+    only its ``dynamic_scale`` (skipped steps are then None, counted by the caller).
+    ``(None, None)`` when nothing scales the loss.
+    """
+    if scaler is None or _reports_nothing(scaler):
+        return None, None
+    if _kmp_style(scaler):
+        scale, skipped = scaler.loss_scale, scaler.skipped_steps
+        if scale is None:  # a kmp optimizer with loss scaling turned off
+            return None, None
+        return _to_float(scale), None if skipped is None else int(_to_float(skipped))
+    scale = getattr(scaler, "dynamic_scale", None) if scaler.built else None
+    return _to_float(scaler.initial_scale if scale is None else scale), None
+
+
+def _min_scale(scaler: Any | None) -> float | None:
+    """The floor of a dynamic kmp scale (``loss_scale_rule.min_scale``), else None."""
+    rule = getattr(scaler, "loss_scale_rule", None)
+    return float(rule.min_scale) if rule is not None and rule.dynamic else None
+
+
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Put the loss scale and the count of skipped steps into the logs; report a stuck scale.
+
+    After every batch and epoch, ``logs["loss_scale"]`` and
+    ``logs["skipped_steps"]`` (steps skipped so far because of inf/nan
+    gradients) are added, so the progress bar, ``History``, ``CSVLogger`` and
+    ``TensorBoard`` show them. When the count of skipped steps rises, the chief
+    prints ``overflow: step skipped, loss scale lowered to X``.
+
+    A scale that sits at its ``min_scale`` while steps keep overflowing is
+    *stuck*: every step is skipped and the model no longer trains. After
+    ``patience`` such steps in a row the monitor warns (``on_stuck="warn"``,
+    a ``RuntimeWarning``) or stops training with that message
+    (``on_stuck="stop"``; every rank sees the same averaged gradients, so every
+    rank stops at the same step). The message says what to do: lower the
+    learning rate, check the data for NaN or inf, keep the layer that overflows
+    in float32. Stuck detection needs a dynamic scale from ``kmp.wrap_optimizer``
+    (its ``min_scale`` is the floor) and reads the scale after every batch.
+
+    The scale is read from the model's optimizer: ``loss_scale`` and
+    ``skipped_steps`` of a ``kmp.wrap_optimizer`` optimizer, or the
+    ``dynamic_scale`` of a plain ``keras.optimizers.LossScaleOptimizer`` (whose
+    skipped steps are counted here from the halvings of the scale). Without
+    loss scaling nothing is logged; with ``verbose``, a note says so once, except
+    for a ``kmp.wrap_optimizer`` optimizer that can never skip a step (float32
+    and bfloat16 policies need no scaling, or ``loss_scale=None``), which stays silent.
+
+    Args:
+        verbose: 1 prints overflows on the chief; 0 only logs.
+        batch_logs: Also put the scale into every batch's logs (default). False
+            logs it at epoch end only; the scale is still read after each batch
+            (one small read), for overflow messages and stuck detection.
+        on_stuck: ``"warn"`` (default) or ``"stop"``.
+        patience: Stuck steps in a row before the warning or the stop (default 10).
+
+    Attributes:
+        stuck_steps: Overflowing steps in a row taken at ``min_scale`` so far.
+        stopped: True once the monitor stopped training.
+    """
+
+    def __init__(
+        self,
+        verbose: int = 1,
+        batch_logs: bool = True,
+        *,
+        on_stuck: str = "warn",
+        patience: int = 10,
+    ):
+        super().__init__()
+        self.verbose = check_int("LossScaleMonitor(verbose)", verbose, minimum=0, maximum=2)
+        self.batch_logs = check_bool("LossScaleMonitor(batch_logs)", batch_logs)
+        self.on_stuck = check_choice("LossScaleMonitor(on_stuck)", on_stuck, STUCK_ACTIONS)
+        self.patience = check_int(
+            "LossScaleMonitor(patience)", patience, minimum=1, hint="e.g. 10 stuck steps."
+        )
+        self._reset()
+
+    def _reset(self) -> None:
+        self._last_scale: float | None = None
+        self._last_skipped: int | None = None
+        self._counted_skips = 0
+        self._noted = False
+        self._reported = False
+        self.stuck_steps = 0
+        self.stopped = False
+
+    def current(self) -> tuple[float | None, int | None]:
+        """Return ``(loss_scale, skipped_steps)`` now, or ``(None, None)`` without scaling."""
+        scale, skipped = _read_loss_scale(_find_scaler(self._optimizer()))
+        if scale is None:
+            return None, None
+        if skipped is None:  # plain Keras LossScaleOptimizer: count halvings
+            if self._last_scale is not None and scale < self._last_scale:
+                self._counted_skips += max(1, round(math.log2(self._last_scale / scale)))
+            skipped = self._counted_skips
+        return scale, skipped
+
+    def _optimizer(self) -> keras.optimizers.Optimizer:
+        return _model_optimizer(self, "LossScaleMonitor")
+
+    def _update(self, logs: dict | None, *, step: bool = False) -> None:
+        scale, skipped = self.current()
+        if scale is None:
+            if not self._noted:  # decided once: nothing to report this training
+                self._noted = True
+                if self.verbose and not _reports_nothing(_find_scaler(self._optimizer())):
+                    _chief_print(
+                        "LossScaleMonitor: the optimizer does not scale the loss (nothing to "
+                        "report); use kmp.wrap_optimizer under a float16 policy to get loss "
+                        "scaling."
+                    )
+            return
+        if self._last_skipped is not None:
+            new = skipped - self._last_skipped
+            if new > 0 and self.verbose:
+                steps = "step skipped" if new == 1 else f"{new} steps skipped"
+                _chief_print(f"overflow: {steps}, loss scale lowered to {scale:g}")
+            if step:  # a batch ended: one more step to judge
+                self._track_stuck(new, scale)
+        self._last_scale, self._last_skipped = scale, skipped
+        if logs is not None:
+            logs["loss_scale"] = scale
+            logs["skipped_steps"] = skipped
+
+    def _track_stuck(self, new_skips: int, scale: float) -> None:
+        """Count overflows taken at the floor; warn or stop after ``patience`` in a row."""
+        floor = _min_scale(_find_scaler(self._optimizer()))
+        at_floor = floor is not None and self._last_scale is not None
+        at_floor = at_floor and self._last_scale <= floor and scale <= floor
+        if new_skips <= 0 or not at_floor:
+            self.stuck_steps = 0
+            self._reported = False
+            return
+        self.stuck_steps += new_skips
+        if self.stuck_steps < self.patience or self._reported:
+            return
+        self._reported = True
+        message = (
+            f"The loss scale is stuck at its minimum ({floor:g}): the last "
+            f"{self.stuck_steps} steps overflowed even there and were all skipped, so the "
+            "model is not training. Lower the learning rate, check the data for NaN or inf, "
+            "or keep the layer that overflows in float32 (dtype='float32'; kmp.audit(model) "
+            "lists the risky ones)."
+        )
+        if self.on_stuck == "stop":
+            self.model.stop_training = True
+            self.stopped = True
+            _chief_print(f"LossScaleMonitor stopped training. {message}")
+        else:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """Read the starting scale, so the first overflow is detected."""
+        self._reset()
+        self._update(None)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Add the scale and skipped steps to the batch logs; watch for a stuck scale."""
+        self._update(logs if self.batch_logs else None, step=True)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        """Add the scale and skipped steps to the epoch logs."""
+        self._update(logs)
+
+    def get_config(self) -> dict[str, Any]:
+        """Return the constructor arguments."""
+        return {
+            "verbose": self.verbose,
+            "batch_logs": self.batch_logs,
+            "on_stuck": self.on_stuck,
+            "patience": self.patience,
+        }

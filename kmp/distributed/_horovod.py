@@ -1,0 +1,203 @@
+"""The Horovod engine: every call into ``horovod.tensorflow`` that kmp.distributed makes.
+
+:mod:`kmp.distributed.world` starts it (:func:`start`) and
+:mod:`kmp.distributed.collectives` hands it checked, dense TensorFlow tensors;
+nothing here validates user arguments or handles the single-process case.
+Only Horovod's core TensorFlow collectives are used (``allreduce``,
+``grouped_allreduce``, ``allgather``, ``grouped_allgather``, ``broadcast``):
+Horovod's Keras layer does not work with Keras 3.
+
+Horovod itself is imported only by :func:`start`; the other functions take the
+imported module as their first argument, so importing this module stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+from kmp._imports import INSTALL_HINTS, optional_import
+
+__all__ = [
+    "allgather",
+    "barrier",
+    "broadcast_object",
+    "broadcast_variables",
+    "grouped_allreduce",
+    "local_layout",
+    "start",
+]
+
+
+def start(launched: int) -> ModuleType | None:
+    """Import and initialise ``horovod.tensorflow`` for a job of ``launched`` processes.
+
+    Args:
+        launched: The world size the launcher announced.
+
+    Returns:
+        The initialised ``horovod.tensorflow`` module, or None when the launcher
+        started a single process and Horovod is not installed (nothing to do).
+
+    Raises:
+        ImportError: ``launched > 1`` but Horovod cannot be imported; the message
+            says how to install it.
+    """
+    try:
+        hvd = optional_import("horovod.tensorflow", feature="multi-process training")
+    except ImportError as exc:
+        if launched > 1:
+            raise ImportError(
+                f"This script was launched as {launched} processes, but Horovod is not "
+                f"available, so gradients could not be averaged across them ({exc}). Install "
+                f"Horovod: {INSTALL_HINTS['horovod']}; or run a single process without horovodrun."
+            ) from exc
+        return None
+    hvd.init()
+    return hvd
+
+
+def local_layout(hvd: ModuleType) -> tuple[int, int, int, int]:
+    """Return ``(rank, size, local_rank, local_size)`` as Horovod reports them."""
+    return int(hvd.rank()), int(hvd.size()), int(hvd.local_rank()), int(hvd.local_size())
+
+
+def _op(hvd: ModuleType, op: str) -> Any:
+    """Horovod's constant for a canonical reduction name."""
+    return {
+        "average": hvd.Average,
+        "sum": hvd.Sum,
+        "min": hvd.Min,
+        "max": hvd.Max,
+        "product": hvd.Product,
+    }[op]
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def barrier(hvd: ModuleType) -> None:
+    """Block until every rank gets here (a tiny blocking allreduce)."""
+    import tensorflow as tf
+
+    hvd.allreduce(tf.constant(0, tf.int32), op=hvd.Sum, name="kmp.barrier").numpy()
+
+
+def broadcast_variables(
+    hvd: ModuleType, tf_variables: Sequence[Any], root: int, *, eager_assign: bool
+) -> Any:
+    """Overwrite ``tf_variables`` with rank ``root``'s values.
+
+    Args:
+        hvd: The Horovod module.
+        tf_variables: ``tf.Variable`` objects, or (with ``eager_assign``) any
+            variables with ``assign`` whose values NumPy can read.
+        root: The rank whose values win (checked).
+        eager_assign: Move the values through TensorFlow eagerly and assign them
+            back (for Keras backends other than TensorFlow).
+
+    Returns:
+        Horovod's op group in graph mode, else None.
+    """
+    if not eager_assign:
+        return hvd.broadcast_variables(list(tf_variables), root_rank=root)
+    import numpy as np
+    import tensorflow as tf
+
+    for i, v in enumerate(tf_variables):
+        value = hvd.broadcast(tf.constant(np.asarray(v)), root, name=f"kmp.bcast.{i}")
+        v.assign(value.numpy())
+    return None
+
+
+def broadcast_object(hvd: ModuleType, obj: Any, root: int) -> Any:
+    """Return rank ``root``'s ``obj`` (pickled through Horovod)."""
+    return hvd.broadcast_object(obj, root_rank=root)
+
+
+def allgather(hvd: ModuleType, tensor: Any) -> Any:
+    """Concatenate ``tensor`` (rank >= 1) from every rank along its first axis."""
+    return hvd.allgather(tensor)
+
+
+def grouped_allreduce(
+    hvd: ModuleType, dense: list[Any], op: str, compression: str | None
+) -> list[Any]:
+    """Reduce dense TensorFlow tensors across ranks; each result keeps its input's dtype.
+
+    Args:
+        hvd: The Horovod module.
+        dense: Dense ``tf.Tensor`` objects, same order and shapes on every rank.
+        op: A canonical reduction name (``kmp._names.REDUCE_OPS``).
+        compression: A canonical compression (None, ``"fp16"`` or ``"bf16"``).
+
+    Returns:
+        The reduced tensors, in order.
+    """
+    import tensorflow as tf
+
+    n = int(hvd.size())
+    if compression == "bf16":
+        return _bf16_allgather_reduce(hvd, dense, op, n)
+    sent = [
+        tf.cast(t, tf.float16) if compression == "fp16" and t.dtype.is_floating else t
+        for t in dense
+    ]
+    if compression == "fp16" and op == "average":
+        # Pre-scale by 1/n so the float16 sum cannot overflow where the mean would not.
+        out = _grouped_by_dtype(hvd, sent, op=hvd.Sum, prescale_factor=1.0 / n)
+    else:
+        out = _grouped_by_dtype(hvd, sent, op=_op(hvd, op))
+    return [
+        o if o.dtype == t.dtype else tf.cast(o, t.dtype) for o, t in zip(out, dense, strict=True)
+    ]
+
+
+def _grouped_by_dtype(hvd: ModuleType, tensors: list[Any], **kwargs: Any) -> list[Any]:
+    """One fused Horovod allreduce per dtype (a grouped op takes a single dtype)."""
+    by_dtype: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[Any] = [None] * len(tensors)
+    for positions in by_dtype.values():
+        reduced = hvd.grouped_allreduce([tensors[i] for i in positions], **kwargs)
+        for i, r in zip(positions, reduced, strict=True):
+            out[i] = r
+    return out
+
+
+def _bf16_allgather_reduce(hvd: ModuleType, dense: list[Any], op: str, n: int) -> list[Any]:
+    """Reduce floating tensors as bfloat16 bit patterns: one fused allgather, local float32 math.
+
+    Horovod has no bfloat16 reduction. The floating tensors are cast to bfloat16,
+    sent as int16 bit patterns with one grouped allgather and reduced here in
+    float32; non-floating tensors take the ordinary allreduce.
+    """
+    import tensorflow as tf
+
+    floating = [i for i, t in enumerate(dense) if t.dtype.is_floating]
+    others = [i for i in range(len(dense)) if i not in floating]
+    out: list[Any] = [None] * len(dense)
+    if floating:
+        bits = [
+            tf.bitcast(tf.reshape(tf.cast(dense[i], tf.bfloat16), [-1]), tf.int16) for i in floating
+        ]
+        gathered = hvd.grouped_allgather(bits)
+        reducer = {
+            "average": tf.reduce_mean,
+            "sum": tf.reduce_sum,
+            "min": tf.reduce_min,
+            "max": tf.reduce_max,
+            "product": tf.reduce_prod,
+        }[op]
+        for i, g in zip(floating, gathered, strict=True):
+            values = tf.cast(tf.bitcast(g, tf.bfloat16), tf.float32)
+            values = tf.reshape(values, [n, -1])
+            red = tf.reshape(reducer(values, axis=0), tf.shape(dense[i]))
+            out[i] = tf.cast(red, dense[i].dtype)
+    if others:
+        rest = _grouped_by_dtype(hvd, [dense[i] for i in others], op=_op(hvd, op))
+        for i, r in zip(others, rest, strict=True):
+            out[i] = r
+    return out

@@ -1,0 +1,258 @@
+"""Collectives across the ranks of the job, with single-process identities.
+
+Each function checks its arguments, returns its input (or does nothing) in a
+world of one process, and otherwise hands dense TensorFlow tensors to the
+engine, :mod:`kmp.distributed._horovod`. Keras 3 variables are accepted
+everywhere a variable is expected; their ``.value`` (the ``tf.Variable``) is
+what the engine sees. The accepted reduction and compression names are those of
+:mod:`kmp._names`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kmp._checks import check_int
+from kmp._names import normalize_compression, normalize_reduce_op
+from kmp.distributed import _horovod
+from kmp.distributed.world import _engine, _ensure
+
+__all__ = [
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast_object",
+    "broadcast_variables",
+    "grouped_allreduce",
+    "payload_bytes",
+]
+
+
+# ------------------------------------------------------------------- helpers
+
+
+def _as_tf_variable(v: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras 3 variable; anything else as it is."""
+    import keras
+
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+def _check_root(root: Any) -> int:
+    """Check ``root``: an integer always, and a rank of this job when it has several.
+
+    Raises:
+        TypeError: ``root`` is not an integer.
+        ValueError: ``root`` is not a rank of this job.
+    """
+    n = _ensure().size
+    if n == 1:  # A world of one ignores root; only its type can be wrong.
+        return check_int("root", root, minimum=None, hint="Pass the rank whose values are sent.")
+    return check_int(
+        "root",
+        root,
+        minimum=0,
+        maximum=n - 1,
+        hint=f"It is the rank whose values are sent; this job has {n} ranks.",
+    )
+
+
+def _dtype_name(t: Any) -> str:
+    dt = t.dtype
+    name = getattr(dt, "name", None) or str(dt)
+    return "float16" if name == "bfloat16" else name  # numpy has no bfloat16; same size
+
+
+def payload_bytes(tensors: Iterable[Any], compression: str | None = None) -> int:
+    """Return how many bytes one rank hands to the collective for ``tensors``.
+
+    Floating-point tensors count at 2 bytes per element when ``compression`` is
+    ``"fp16"`` or ``"bf16"``; everything else at its own item size. ``None``
+    entries count nothing.
+
+    Args:
+        tensors: Tensors, arrays or variables (anything with ``shape`` and ``dtype``).
+        compression: As accepted by :func:`kmp._names.normalize_compression`.
+
+    Returns:
+        The number of bytes.
+
+    Raises:
+        TypeError: ``compression`` is neither a name nor None.
+        ValueError: ``compression`` is an unknown name.
+    """
+    import numpy as np
+
+    comp = normalize_compression(compression)
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        dtype = np.dtype(_dtype_name(t))
+        count = int(np.prod([int(d) for d in t.shape])) if len(t.shape) else 1
+        item = 2 if comp and dtype.kind == "f" else dtype.itemsize
+        total += count * item
+    return total
+
+
+# --------------------------------------------------------------- collectives
+
+
+def barrier() -> None:
+    """Block until every process reaches this call (no-op in a single process)."""
+    hvd = _engine()
+    if hvd is None:
+        return
+    _horovod.barrier(hvd)
+
+
+def broadcast_variables(variables: Iterable[Any], root: int = 0) -> Any:
+    """Overwrite ``variables`` on every rank with their values on rank ``root``.
+
+    Accepts Keras 3 variables (``model.variables``, ``optimizer.variables``) and
+    ``tf.Variable``; works eagerly and inside ``tf.function``. Duplicates are
+    broadcast once. In a single process nothing happens.
+
+    Args:
+        variables: The variables to synchronise, in the same order on all ranks.
+        root: The rank whose values win.
+
+    Returns:
+        The TensorFlow op group in graph mode, else None.
+
+    Raises:
+        TypeError: ``root`` is not an integer.
+        ValueError: ``root`` is not a rank of this job.
+    """
+    root = _check_root(root)
+    hvd = _engine()
+    if hvd is None:
+        return None
+    seen: set[int] = set()
+    unique = []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            unique.append(v)
+    if not unique:
+        return None
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        tf_vars = [_as_tf_variable(v) for v in unique]
+        return _horovod.broadcast_variables(hvd, tf_vars, root, eager_assign=False)
+    # Other backends: move the values through TensorFlow eagerly.
+    return _horovod.broadcast_variables(hvd, unique, root, eager_assign=True)
+
+
+def broadcast_object(obj: Any, root: int = 0) -> Any:
+    """Return rank ``root``'s ``obj`` (any picklable object) on every rank.
+
+    Args:
+        obj: The object; only rank ``root``'s is used.
+        root: The rank whose object wins.
+
+    Returns:
+        Rank ``root``'s object (``obj`` itself in a single process).
+
+    Raises:
+        TypeError: ``root`` is not an integer.
+        ValueError: ``root`` is not a rank of this job.
+    """
+    root = _check_root(root)
+    hvd = _engine()
+    if hvd is None:
+        return obj
+    return _horovod.broadcast_object(hvd, obj, root)
+
+
+def allreduce(x: Any, op: str = "average", compression: str | None = None) -> Any:
+    """Reduce one tensor across all ranks.
+
+    Args:
+        x: A tensor (TensorFlow backend), array or number.
+        op: ``"average"``, ``"sum"``, ``"min"``, ``"max"`` or ``"product"``.
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: floating tensors are sent in
+            that dtype and cast back after.
+
+    Returns:
+        The reduced tensor (``x`` itself in a single process).
+
+    Raises:
+        TypeError: ``op`` or ``compression`` of the wrong type.
+        ValueError: An unknown ``op`` or ``compression``.
+    """
+    return grouped_allreduce([x], op=op, compression=compression)[0]
+
+
+def grouped_allreduce(
+    tensors: Sequence[Any], op: str = "average", compression: str | None = None
+) -> list[Any]:
+    """Reduce several tensors across all ranks in one fused Horovod operation.
+
+    ``None`` entries are passed through. Sparse gradients (``tf.IndexedSlices``)
+    are densified first. With ``compression="fp16"`` floating tensors go through
+    Horovod's allreduce in float16 (pre-scaled by ``1/size`` for ``"average"`` so
+    the sum cannot overflow where the mean would not). Horovod has no bfloat16
+    reduction, so ``"bf16"`` sends the bfloat16 bit patterns with one fused
+    allgather and sums them locally in float32: half the bytes of float32 for two
+    ranks, growing with the number of ranks (prefer ``"fp16"`` beyond a few).
+    Results keep each input's dtype.
+
+    Args:
+        tensors: The tensors to reduce, in the same order on every rank.
+        op: One of :data:`kmp._names.REDUCE_OPS`.
+        compression: ``None``, ``"fp16"`` or ``"bf16"``.
+
+    Returns:
+        A list of reduced tensors (the inputs themselves in a single process).
+
+    Raises:
+        TypeError: ``op`` or ``compression`` of the wrong type.
+        ValueError: An unknown ``op`` or ``compression``.
+    """
+    op = normalize_reduce_op(op)
+    comp = normalize_compression(compression)
+    tensors = list(tensors)
+    hvd = _engine()
+    if hvd is None:
+        return tensors
+    idx = [i for i, t in enumerate(tensors) if t is not None]
+    if not idx:
+        return tensors
+    import tensorflow as tf
+
+    dense = [tf.convert_to_tensor(_as_tf_variable(tensors[i])) for i in idx]
+    reduced = _horovod.grouped_allreduce(hvd, dense, op, comp)
+    result = list(tensors)
+    for i, r in zip(idx, reduced, strict=True):
+        result[i] = r
+    return result
+
+
+def allgather(x: Any) -> Any:
+    """Concatenate ``x`` from all ranks along its first axis (rank order).
+
+    Scalars are treated as shape ``[1]``, so the result always has a first axis
+    of ``size() * len(x)``.
+
+    Args:
+        x: A tensor, array, number or variable, of the same shape past the first
+            axis on every rank.
+
+    Returns:
+        The gathered tensor (``x``, with scalars reshaped to ``[1]``, in a single process).
+    """
+    hvd = _engine()
+    if hvd is None:
+        from keras import ops
+
+        t = ops.convert_to_tensor(x)
+        return ops.reshape(t, [1]) if len(t.shape) == 0 else t
+    import tensorflow as tf
+
+    t = tf.convert_to_tensor(_as_tf_variable(x))
+    if t.shape.rank == 0:
+        t = tf.reshape(t, [1])
+    return _horovod.allgather(hvd, t)

@@ -1,0 +1,192 @@
+"""Where this process stands in the job: :func:`init`, the :class:`World` and its accessors.
+
+The state lives here, once per process. :func:`init` reads the launcher's world
+size (through :mod:`kmp._launcher_env`), starts the engine (Horovod, in
+:mod:`kmp.distributed._horovod`) when the job has more than one process, and
+pins this local rank's GPU through :func:`kmp.gpu.configure_gpus`.
+
+Note that the package :mod:`kmp.distributed` re-exports the function
+:func:`world` under the name of this module, so ``kmp.distributed.world`` is the
+function; import from this module as ``from kmp.distributed.world import ...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from types import ModuleType
+
+from kmp._launcher_env import launched_world_size
+from kmp.distributed import _horovod
+
+__all__ = [
+    "World",
+    "init",
+    "is_chief",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "rank",
+    "size",
+    "uses_horovod",
+    "world",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    """Where this process stands in the job.
+
+    Attributes:
+        rank: Global rank, 0 for the chief.
+        size: Number of processes.
+        local_rank: Rank among the processes on this host.
+        local_size: Number of processes on this host.
+        horovod: True when Horovod is running the collectives; False for a
+            single process started without a launcher.
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    horovod: bool
+
+
+def _single() -> World:
+    return World(rank=0, size=1, local_rank=0, local_size=1, horovod=False)
+
+
+@dataclasses.dataclass
+class _State:
+    """The process-wide state: whether :func:`init` ran, the engine, and the world."""
+
+    initialized: bool = False
+    hvd: ModuleType | None = None  # horovod.tensorflow once Horovod runs
+    world: World = dataclasses.field(default_factory=_single)
+
+
+_STATE = _State()
+
+
+def init() -> World:
+    """Initialise the distributed runtime (idempotent).
+
+    Under ``horovodrun`` / ``mpirun`` this calls ``horovod.tensorflow.init()``
+    and, when TensorFlow sees GPUs, makes only the GPU of this process's local
+    rank visible, with memory growth (with more ranks on the host than GPUs,
+    ranks share GPU ``local_rank % n_gpus`` and a ``RuntimeWarning`` says so;
+    see :func:`kmp.gpu.configure_gpus`). Started without a launcher, or launched
+    as a single process without Horovod installed, it sets up a world of one
+    process and does nothing else. A second call returns the same world.
+
+    Returns:
+        The :class:`World` of this process.
+
+    Raises:
+        ImportError: The launcher started more than one process but Horovod
+            cannot be imported; the message says how to install it.
+        ValueError: A launcher world-size variable is set to something other
+            than a positive integer.
+    """
+    if _STATE.initialized:
+        return _STATE.world
+    n = launched_world_size()
+    hvd = None if n is None else _horovod.start(n)
+    if hvd is None:
+        _STATE.world = _single()
+        _STATE.initialized = True
+        return _STATE.world
+    rank_, size_, local_rank_, local_size_ = _horovod.local_layout(hvd)
+    _STATE.hvd = hvd
+    _STATE.world = World(rank_, size_, local_rank_, local_size_, horovod=True)
+    _STATE.initialized = True
+    _configure_local_gpu(local_rank_)
+    return _STATE.world
+
+
+def _configure_local_gpu(local_rank_: int) -> None:
+    """Give this local rank its GPU with memory growth, if TensorFlow sees any.
+
+    The engine's own local rank is passed on, so the launcher variables are not
+    read a second time. The rule for more ranks than GPUs is
+    :func:`kmp.gpu.configure_gpus`'s: share GPU ``local_rank % n_gpus``, with a
+    warning. A TensorFlow that already initialised its GPUs gets a warning
+    instead of an error: the job still runs, on whatever TensorFlow chose.
+    """
+    from kmp import gpu as _gpu
+
+    try:
+        _gpu.configure_gpus(memory_growth=True, visible="local_rank", local_rank=local_rank_)
+    except RuntimeError as exc:  # GPUConfigurationError: TensorFlow already set up its GPUs.
+        warnings.warn(
+            f"kmp.distributed.init() could not pin a GPU to local rank {local_rank_} ({exc}). "
+            "Call kmp.distributed.init() before building any model or tensor.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _ensure() -> World:
+    return _STATE.world if _STATE.initialized else init()
+
+
+def _engine() -> ModuleType | None:
+    """Horovod's TF module when more than one process runs, else None (initialising first)."""
+    w = _ensure()
+    return _STATE.hvd if w.size > 1 else None
+
+
+def is_initialized() -> bool:
+    """Return True once :func:`init` has run (in either mode)."""
+    return _STATE.initialized
+
+
+def world() -> World:
+    """Return the :class:`World` of this process (initialising on first use)."""
+    return _ensure()
+
+
+def uses_horovod() -> bool:
+    """Return True when Horovod runs the collectives (launched by horovodrun)."""
+    _ensure()
+    return _STATE.hvd is not None
+
+
+def rank() -> int:
+    """Return the global rank of this process (0 in a single process)."""
+    return _ensure().rank
+
+
+def size() -> int:
+    """Return the number of processes (1 in a single process)."""
+    return _ensure().size
+
+
+def local_rank() -> int:
+    """Return the rank of this process on its host (0 in a single process)."""
+    return _ensure().local_rank
+
+
+def local_size() -> int:
+    """Return the number of processes on this host (1 in a single process)."""
+    return _ensure().local_size
+
+
+def is_chief() -> bool:
+    """Return True on rank 0, the process that writes files and logs."""
+    return rank() == 0
+
+
+def _reset_for_tests() -> None:
+    """Forget the initialised state (single-process tests only).
+
+    Raises:
+        RuntimeError: Horovod is running; a live job cannot be reset.
+    """
+    if _STATE.hvd is not None and "horovod.tensorflow" in sys.modules:
+        raise RuntimeError("Cannot reset a running Horovod job.")
+    _STATE.initialized = False
+    _STATE.hvd = None
+    _STATE.world = _single()

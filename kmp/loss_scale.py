@@ -1,0 +1,266 @@
+"""The loss-scale rule, written once: a frozen description and its update.
+
+A :class:`LossScale` says *how* the loss is scaled (``"none"``, ``"static"`` or
+``"dynamic"``) and with which knobs; :func:`update` is the one implementation
+of what happens after a step, used by every path kmp has:
+
+* the stateful Keras 3 path (TensorFlow, PyTorch): ``kmp.optimizer``;
+* the stateless Keras 3 path (JAX): ``kmp.optimizer`` too;
+* TF1 graphs: ``kmp.compat.v1`` (the same function, on ``tf`` ops);
+* tf-keras: ``kmp.compat.keras2`` validates with the same class and hands the
+  knobs that tf-keras's own ``LossScaleOptimizer`` has to it.
+
+The dynamic rule, for each step (``finite`` is the same on every rank because
+it is decided on the averaged gradients)::
+
+    finite step:     apply it; good_steps += 1; overflow_streak = 0
+                     if good_steps == growth_interval:
+                         scale = min(scale * growth_factor, max_scale); good_steps = 0
+    overflowing step: skip it; skipped += 1; good_steps = 0; overflow_streak += 1
+                     if overflow_streak >= hysteresis:
+                         scale = max(scale * backoff_factor, min_scale)
+
+So the scale never leaves ``[min_scale, max_scale]``, every overflowing step is
+skipped and counted, and with ``hysteresis=h`` the first ``h - 1`` overflows
+in a row only skip (each further one in the same run backs off). A static
+scale never changes; overflowing steps are still skipped and counted.
+
+:func:`update` is written against a small array namespace (``keras.ops`` by
+default; ``tensorflow`` and ``numpy`` have the same functions), so each path
+runs the same lines in its own ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from kmp import _checks
+from kmp._names import LOSS_SCALE_KINDS, LOSS_SCALE_MODES
+
+__all__ = [
+    "DEFAULTS",
+    "LossScale",
+    "ScaleState",
+    "from_setting",
+    "update",
+]
+
+# The knobs and their defaults, as kmp.wrap_optimizer documents them.
+DEFAULTS: dict[str, Any] = {
+    "initial_scale": 2.0**15,
+    "growth_interval": 2000,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "min_scale": 1.0,
+    "max_scale": 2.0**24,
+    "hysteresis": 1,
+}
+KNOBS: tuple[str, ...] = tuple(DEFAULTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScale:
+    """How the loss is scaled: a small, frozen, validated value.
+
+    Attributes:
+        kind: ``"none"`` (no scaling), ``"static"`` (a fixed scale) or ``"dynamic"``.
+        initial_scale: The first scale of a dynamic rule, or the fixed scale of a
+            static one.
+        growth_interval: Finite steps in a row after which a dynamic scale grows.
+        growth_factor: What a dynamic scale is multiplied by when it grows (> 1).
+        backoff_factor: What it is multiplied by when it backs off, in (0, 1).
+        min_scale: The lowest dynamic scale (> 0).
+        max_scale: The highest dynamic scale (>= ``min_scale``).
+        hysteresis: Overflowing steps in a row that are only skipped before the
+            scale backs off (1: back off at every overflow).
+
+    Raises:
+        TypeError: A knob of the wrong type.
+        ValueError: A knob out of range: ``growth_factor <= 1``, ``backoff_factor``
+            outside (0, 1), ``min_scale > max_scale``, a dynamic ``initial_scale``
+            outside ``[min_scale, max_scale]``, ``hysteresis < 1``, or an unknown kind.
+    """
+
+    kind: str = "dynamic"
+    initial_scale: float = DEFAULTS["initial_scale"]
+    growth_interval: int = DEFAULTS["growth_interval"]
+    growth_factor: float = DEFAULTS["growth_factor"]
+    backoff_factor: float = DEFAULTS["backoff_factor"]
+    min_scale: float = DEFAULTS["min_scale"]
+    max_scale: float = DEFAULTS["max_scale"]
+    hysteresis: int = DEFAULTS["hysteresis"]
+
+    def __post_init__(self) -> None:
+        kind = _checks.check_choice("kind", self.kind, LOSS_SCALE_KINDS)
+        initial = _checks.check_number("initial_scale", self.initial_scale, above=0)
+        interval = _checks.check_int("growth_interval", self.growth_interval, minimum=1)
+        growth = _checks.check_number(
+            "growth_factor", self.growth_factor, above=1, hint="2.0 doubles the scale."
+        )
+        backoff = _checks.check_number(
+            "backoff_factor", self.backoff_factor, above=0, below=1, hint="0.5 halves it."
+        )
+        low = _checks.check_number("min_scale", self.min_scale, above=0)
+        high = _checks.check_number("max_scale", self.max_scale, above=0)
+        if low > high:
+            raise ValueError(
+                f"`min_scale` ({low:g}) is larger than `max_scale` ({high:g}): pass a min_scale "
+                "<= max_scale."
+            )
+        hysteresis = _checks.check_int(
+            "hysteresis", self.hysteresis, minimum=1, hint="1 backs off at every overflow."
+        )
+        if kind == "dynamic" and not low <= initial <= high:
+            raise ValueError(
+                f"`initial_scale` ({initial:g}) lies outside [min_scale, max_scale] = "
+                f"[{low:g}, {high:g}]: pass an initial_scale in that range, or widen it."
+            )
+        for name, value in (
+            ("kind", kind),
+            ("initial_scale", initial),
+            ("growth_interval", interval),
+            ("growth_factor", growth),
+            ("backoff_factor", backoff),
+            ("min_scale", low),
+            ("max_scale", high),
+            ("hysteresis", hysteresis),
+        ):
+            object.__setattr__(self, name, value)
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def scaling(self) -> bool:
+        """True unless the kind is ``"none"``."""
+        return self.kind != "none"
+
+    @property
+    def dynamic(self) -> bool:
+        """True for a dynamic scale."""
+        return self.kind == "dynamic"
+
+    @property
+    def start_scale(self) -> float:
+        """The scale of the first step (1.0 when not scaling)."""
+        return self.initial_scale if self.scaling else 1.0
+
+    def knobs(self) -> dict[str, Any]:
+        """Return the knobs (everything but ``kind``) as keyword arguments."""
+        return {k: getattr(self, k) for k in KNOBS}
+
+    def to_config(self) -> dict[str, Any]:
+        """Return a JSON-ready dict that :meth:`from_config` turns back into this value."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> LossScale:
+        """Rebuild from :meth:`to_config` output."""
+        return cls(**config)
+
+    def start_state(self) -> ScaleState:
+        """The state before the first step, as Python numbers."""
+        return ScaleState(scale=self.start_scale, good_steps=0, overflow_streak=0, skipped=0)
+
+
+class ScaleState(NamedTuple):
+    """What the rule carries from step to step.
+
+    Attributes:
+        scale: The current loss scale (float32).
+        good_steps: Finite steps in a row since the scale last changed or overflowed.
+        overflow_streak: Overflowing steps in a row.
+        skipped: Steps skipped so far because their gradients were not finite.
+    """
+
+    scale: Any
+    good_steps: Any
+    overflow_streak: Any
+    skipped: Any
+
+
+def from_setting(loss_scale: Any = "dynamic", *, compute_dtype: str, **knobs: Any) -> LossScale:
+    """Resolve a ``loss_scale=`` setting into a :class:`LossScale` for a compute dtype.
+
+    The decision, made once, when an optimizer is wrapped:
+
+    * ``"dynamic"``: dynamic scaling when ``compute_dtype`` is float16, none
+      otherwise (bfloat16 and float32 have float32's range);
+    * ``"force_dynamic"``: dynamic scaling whatever the dtype;
+    * a positive number: a static scale of that value;
+    * None: no scaling.
+
+    Args:
+        loss_scale: The setting, as ``kmp.wrap_optimizer`` takes it.
+        compute_dtype: The dtype layers compute in (the global policy's).
+        **knobs: Any of ``initial_scale``, ``growth_interval``, ``growth_factor``,
+            ``backoff_factor``, ``min_scale``, ``max_scale``, ``hysteresis``;
+            missing ones (or :data:`kmp._checks.NOT_GIVEN`) take their defaults.
+
+    Returns:
+        The validated :class:`LossScale`.
+
+    Raises:
+        TypeError: ``loss_scale`` or a knob has the wrong type, or a knob is unknown.
+        ValueError: An unknown mode, a static scale that is not positive and
+            finite, or a knob out of range.
+    """
+    unknown = sorted(set(knobs) - set(KNOBS))
+    if unknown:
+        raise TypeError(f"Unknown loss-scale knob(s) {unknown}; the knobs are {', '.join(KNOBS)}.")
+    values = {k: v for k, v in knobs.items() if _checks.given(v)}
+    if isinstance(loss_scale, str):
+        mode = loss_scale.strip().lower()
+        if mode not in LOSS_SCALE_MODES:
+            raise ValueError(
+                f"Unknown loss_scale {loss_scale!r}. Use 'dynamic' (float16 policies only), "
+                "'force_dynamic' (any policy), a positive number (static scale) or None (off)."
+            )
+        dynamic = mode == "force_dynamic" or compute_dtype == "float16"
+        return LossScale("dynamic" if dynamic else "none", **values)
+    if loss_scale is None:
+        return LossScale("none", **values)
+    if not _checks.is_real(loss_scale):
+        raise TypeError(
+            f"loss_scale must be 'dynamic', 'force_dynamic', a positive number or None; "
+            f"got {type(loss_scale).__name__} {loss_scale!r}."
+        )
+    values["initial_scale"] = _checks.check_number(
+        "loss_scale", loss_scale, above=0, hint="Use loss_scale=None to turn loss scaling off."
+    )
+    return LossScale("static", **values)
+
+
+def update(rule: LossScale, state: ScaleState, finite: Any, xp: Any = None) -> ScaleState:
+    """Return the state after one step whose gradients were ``finite`` (or not).
+
+    This is the whole loss-scale rule (see the module docstring); the caller
+    applies or skips the step on ``finite`` and stores what this returns. It
+    has no branches on tensors, so it runs unchanged eagerly, inside
+    ``tf.function``, in a TF1 graph and under ``jax.jit``.
+
+    Args:
+        rule: The :class:`LossScale`.
+        state: The current :class:`ScaleState` (tensors or numbers).
+        finite: A boolean scalar: True when every gradient was finite.
+        xp: The array namespace: ``keras.ops`` (default), ``tensorflow`` or ``numpy``.
+
+    Returns:
+        The next :class:`ScaleState`, each entry of its input's dtype.
+    """
+    if xp is None:
+        from keras import ops as xp
+    scale, good, streak, skipped = state
+    overflow = xp.logical_not(finite)
+    skipped = xp.where(overflow, skipped + 1, skipped)
+    if not rule.dynamic:
+        return ScaleState(scale, good, streak, skipped)
+    good = xp.where(finite, good + 1, xp.zeros_like(good))
+    streak = xp.where(finite, xp.zeros_like(streak), streak + 1)
+    grow = xp.logical_and(finite, xp.greater_equal(good, rule.growth_interval))
+    back = xp.logical_and(overflow, xp.greater_equal(streak, rule.hysteresis))
+    grown = xp.minimum(scale * rule.growth_factor, rule.max_scale)
+    backed = xp.maximum(scale * rule.backoff_factor, rule.min_scale)
+    scale = xp.where(grow, grown, xp.where(back, backed, scale))
+    good = xp.where(grow, xp.zeros_like(good), good)
+    return ScaleState(scale, good, streak, skipped)

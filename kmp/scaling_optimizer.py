@@ -1,0 +1,396 @@
+"""The optimizer :func:`kmp.wrap_optimizer` returns: loss scaling and gradient averaging.
+
+One training step with it, on every rank::
+
+    loss -> scale_loss -> gradients -> [accumulate N micro-batches]
+         -> ONE grouped allreduce of the still-scaled gradients (optionally fp16/bf16)
+         -> finite check (the same answer on every rank) -> unscale and apply, or skip
+         -> kmp.loss_scale.update: the next scale, good/overflow counters, skipped count
+
+Because gradients are averaged before they are checked, an overflow on any rank
+makes every rank skip the same step and move its scale the same way, so the
+ranks never drift apart. The loss-scale rule itself lives in
+:mod:`kmp.loss_scale`; this class holds its state in four optimizer variables
+and runs it on the stateful path (TensorFlow, PyTorch: :meth:`apply`) and the
+stateless one (JAX: :meth:`stateless_apply`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+from keras import ops
+
+from kmp import distributed
+from kmp import loss_scale as _ls
+from kmp._names import normalize_compression
+
+__all__ = ["DistributedLossScaleOptimizer"]
+
+
+@keras.saving.register_keras_serializable(package="kmp")
+class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """Loss scaling plus one grouped Horovod allreduce per step, around an inner optimizer.
+
+    Build it with :func:`kmp.wrap_optimizer`, which validates the arguments and
+    scales the learning rate. Everything is decided when the object is made:
+    with ``rule=None`` the ``loss_scale`` setting is resolved against the global
+    dtype policy current at construction (see :func:`kmp.loss_scale.from_setting`).
+
+    Args:
+        inner_optimizer: The Keras optimizer that updates the weights.
+        rule: The :class:`kmp.loss_scale.LossScale`; None resolves ``loss_scale`` now.
+        loss_scale: The setting the user passed (``"dynamic"``, ``"force_dynamic"``,
+            a number or None), kept for :meth:`settings`.
+        compression: None, ``"fp16"`` or ``"bf16"``.
+        backward_passes_per_step: Micro-batches accumulated locally per update.
+        scale_lr: Whether :func:`kmp.wrap_optimizer` scaled the learning rate.
+        lr_scale: The factor it scaled it by (kept for the config).
+        name: Optimizer name.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        rule: _ls.LossScale | None = None,
+        *,
+        loss_scale: str | float | None = "dynamic",
+        compression: str | None = None,
+        backward_passes_per_step: int = 1,
+        scale_lr: bool = False,
+        lr_scale: float = 1.0,
+        name: str | None = None,
+    ):
+        if rule is None:
+            rule = _ls.from_setting(
+                loss_scale, compute_dtype=keras.config.dtype_policy().compute_dtype
+            )
+        if not isinstance(rule, _ls.LossScale):
+            raise TypeError(f"rule must be a kmp.loss_scale.LossScale or None, not {rule!r}.")
+        super().__init__(
+            inner_optimizer,
+            initial_scale=rule.initial_scale,
+            dynamic_growth_steps=rule.growth_interval,
+            name=name,
+        )
+        self.loss_scale_rule = rule
+        self.loss_scale_setting = loss_scale
+        self.compression = normalize_compression(compression)
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.scale_lr = bool(scale_lr)
+        self.lr_scale = float(lr_scale)
+        self._payload_bytes = 0
+        self._own_index: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def loss_scale_mode(self) -> str:
+        """``"dynamic"``, ``"static"`` or ``"none"``: decided when the optimizer was made."""
+        return self.loss_scale_rule.kind
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 when not scaling)."""
+        if not self.built:
+            return self.loss_scale_rule.start_scale
+        return float(self._read(self.dynamic_scale))
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many updates were skipped because the gradients were not finite."""
+        return int(self._read(self.skipped_steps_counter)) if self.built else 0
+
+    @property
+    def overflow_streak(self) -> int:
+        """How many of the latest updates in a row overflowed (0 after a finite one)."""
+        return int(self._read(self.overflow_streak_counter)) if self.built else 0
+
+    @property
+    def can_skip(self) -> bool:
+        """True when a step can be skipped: the loss is scaled, or micro-batches accumulate."""
+        return self.loss_scale_rule.scaling or self.backward_passes_per_step > 1
+
+    @staticmethod
+    def _read(variable: keras.Variable) -> Any:
+        try:
+            return ops.convert_to_numpy(variable)
+        except TypeError as exc:  # JAX mid-epoch: the state lives in the train step.
+            raise RuntimeError(
+                "The optimizer state is not attached to its variables right now (JAX, in the "
+                "middle of model.fit). Read it in a callback through self.model.optimizer, "
+                "which syncs the state, or after fit() returns."
+            ) from exc
+
+    @property
+    def allreduce_bytes_per_step(self) -> int:
+        """Bytes this rank hands to the allreduce per update (0 in a single process)."""
+        return self._payload_bytes
+
+    def settings(self) -> dict[str, Any]:
+        """Return the :func:`kmp.wrap_optimizer` arguments this optimizer was made with."""
+        return {
+            "loss_scale": self.loss_scale_setting,
+            **self.loss_scale_rule.knobs(),
+            "compression": self.compression,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "scale_lr": self.scale_lr,
+        }
+
+    # -------------------------------------------------------------------- build
+
+    @keras.src.utils.tracking.no_automatic_dependency_tracking
+    def build(self, var_list: list) -> None:
+        """Create the loss-scale state, the accumulators and the inner optimizer's variables."""
+        start = self.loss_scale_rule.start_state()
+
+        def scalar(name: str, dtype: str, value: float) -> keras.Variable:
+            init = keras.initializers.Constant(value) if value else "zeros"
+            return self.add_variable(
+                shape=(), dtype=dtype, initializer=init, aggregation="none", name=name
+            )
+
+        self.step_counter = scalar("step_counter", "int", 0)  # the rule's good_steps
+        self.dynamic_scale = scalar("dynamic_scale", "float32", start.scale)
+        self.skipped_steps_counter = scalar("skipped_steps", "int", 0)
+        self.overflow_streak_counter = scalar("overflow_streak", "int", 0)
+        self._accumulators: list = []
+        if self.backward_passes_per_step > 1:
+            self._micro_step = scalar("micro_step", "int", 0)
+            self._window_bad = scalar("window_bad", "int", 0)
+            self._accumulators = [
+                self.add_variable_from_reference(v, name="grad_accumulator") for v in var_list
+            ]
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
+        # Skip LossScaleOptimizer.build (it would create its variables again).
+        super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
+        self._own_index = {id(v): i for i, v in enumerate(self._variables)}
+
+    def _state_variables(self) -> tuple[keras.Variable, ...]:
+        """The rule's state, in :class:`kmp.loss_scale.ScaleState` order."""
+        return (
+            self.dynamic_scale,
+            self.step_counter,
+            self.overflow_streak_counter,
+            self.skipped_steps_counter,
+        )
+
+    # -------------------------------------------------------------------- scale
+
+    def scale_loss(self, loss: Any) -> Any:
+        """Multiply ``loss`` by the current loss scale (returned unchanged when not scaling)."""
+        rule = self.loss_scale_rule
+        if not rule.scaling:
+            return loss
+        if rule.dynamic and self.built:
+            return ops.multiply(loss, self.dynamic_scale)
+        return ops.multiply(loss, rule.initial_scale)
+
+    def _unscale(self, grads: list, variables: list, scale: Any) -> list:
+        if not self.loss_scale_rule.scaling:
+            return grads
+        return [
+            g if g is None or self._overwrite_variable_with_gradient(v) else ops.divide(g, scale)
+            for g, v in zip(grads, variables, strict=True)
+        ]
+
+    def _scale_in_use(self, state_scale: Any) -> Any:
+        rule = self.loss_scale_rule
+        return state_scale if rule.dynamic else rule.initial_scale
+
+    # -------------------------------------------------------------------- apply
+
+    def _check_runtime(self, world_size: int) -> None:
+        if world_size == 1:
+            return
+        if keras.backend.backend() != "tensorflow":
+            raise RuntimeError(
+                f"Averaging gradients over {world_size} Horovod ranks needs the TensorFlow "
+                f"backend (Horovod's collectives are TensorFlow ops), but KERAS_BACKEND is "
+                f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow, or run one process."
+            )
+        import tensorflow as tf
+
+        if tf.distribute.has_strategy():
+            raise RuntimeError(
+                "kmp.wrap_optimizer averages gradients with Horovod; do not also use a "
+                "tf.distribute strategy. Build and fit the model outside strategy.scope()."
+            )
+
+    def _allreduce(self, grads: list) -> list:
+        world_size = distributed.size()
+        self._check_runtime(world_size)
+        if world_size == 1:
+            self._payload_bytes = 0
+            return grads
+        self._payload_bytes = distributed.payload_bytes(grads, self.compression)
+        return distributed.grouped_allreduce(grads, op="average", compression=self.compression)
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> None:
+        """Average ``grads`` over ranks, check them, unscale and update (or skip).
+
+        Args:
+            grads: Gradients of the scaled loss, one per variable (None allowed).
+            trainable_variables: The variables; needed on the first call, which
+                builds the optimizer.
+        """
+        grads = list(grads)
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "The optimizer is not built yet: pass the variables on the first call, "
+                    "`opt.apply(grads, model.trainable_variables)`."
+                )
+            variables = list(self._trainable_variables)
+        else:
+            variables = list(trainable_variables)
+            if not self.built:
+                with keras.name_scope(self.name, caller=self):
+                    self.build(variables)
+        if len(grads) != len(variables):
+            raise ValueError(
+                f"Got {len(grads)} gradients for {len(variables)} variables; pass one gradient "
+                "per variable, in the same order."
+            )
+        if not grads:
+            return
+        if self.backward_passes_per_step == 1:
+            self._update(self._allreduce(grads), variables, poisoned=None)
+        else:
+            self._accumulate(grads, variables)
+
+    def _update(self, grads: list, variables: list, poisoned: Any) -> None:
+        """Check the averaged (still scaled) gradients, apply or skip, then run the rule."""
+        if not self.loss_scale_rule.scaling and poisoned is None:
+            # No scaling: no finite check, no cond, exactly the inner optimizer.
+            self.inner_optimizer.apply(grads, variables)
+            return
+        finite = self.check_finite(grads)
+        if poisoned is not None:
+            finite = ops.logical_and(finite, ops.logical_not(poisoned))
+        state = _ls.ScaleState(*(ops.convert_to_tensor(v) for v in self._state_variables()))
+        scale = self._scale_in_use(state.scale)
+
+        def apply_step() -> None:
+            self.inner_optimizer.apply(self._unscale(grads, variables, scale), variables)
+
+        ops.cond(finite, apply_step, lambda: None)
+        new = _ls.update(self.loss_scale_rule, state, finite)
+        for var, value in zip(self._state_variables(), new, strict=True):
+            var.assign(value)
+
+    def _accumulate(self, grads: list, variables: list) -> None:
+        """Add one micro-batch; on the last one, average, allreduce once and update."""
+        n = self.backward_passes_per_step
+        accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
+        finite_here = self.check_finite(grads)
+        # A non-finite micro-batch adds nothing and marks the window as bad.
+        safe = [None if g is None else ops.where(finite_here, g, ops.zeros_like(g)) for g in grads]
+        bad_here = ops.cast(ops.logical_not(finite_here), self._window_bad.dtype)
+
+        def last() -> None:
+            total = [
+                None if s is None else ops.divide(ops.add(a, s), float(n))
+                for a, s in zip(accs, safe, strict=True)
+            ]
+            bad = ops.maximum(ops.convert_to_tensor(self._window_bad), bad_here)
+            reduced = self._allreduce([*total, ops.cast(bad, "float32")])
+            poisoned = ops.greater(reduced[-1], 0.0)
+            for a in self._accumulators:
+                a.assign(ops.zeros(a.shape, a.dtype))
+            self._window_bad.assign(0)
+            self._micro_step.assign(0)
+            self._update(reduced[:-1], variables, poisoned=poisoned)
+
+        def not_last() -> None:
+            for a, s in zip(accs, safe, strict=True):
+                if s is not None:
+                    a.assign_add(s)
+            self._window_bad.assign(ops.maximum(self._window_bad, bad_here))
+            self._micro_step.assign_add(1)
+
+        ops.cond(ops.equal(self._micro_step, n - 1), last, not_last)
+
+    def stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list):
+        """Functional :meth:`apply` for JAX (one process): returns new variable values."""
+        if not self.built:
+            raise ValueError(
+                "Build the optimizer before stateless_apply: "
+                "`opt.build(model.trainable_variables)`."
+            )
+        self._check_runtime(distributed.size())
+        if self.backward_passes_per_step > 1:
+            raise NotImplementedError(
+                "backward_passes_per_step > 1 is implemented for stateful backends "
+                "(TensorFlow, PyTorch). On JAX, set `gradient_accumulation_steps` on the inner "
+                "optimizer instead."
+            )
+        grads = list(grads)
+        n_own = len(self._variables)
+        own = list(optimizer_variables[:n_own])
+        inner = list(optimizer_variables[n_own:])
+        if not self.loss_scale_rule.scaling:
+            new_t, new_inner = self.inner_optimizer.stateless_apply(
+                inner, grads, trainable_variables
+            )
+            return new_t, own + list(new_inner)
+        slots = [self._own_index[id(v)] for v in self._state_variables()]
+        state = _ls.ScaleState(*(own[i] for i in slots))
+        scale = self._scale_in_use(state.scale)
+        finite = self.check_finite(grads)
+
+        def on_finite() -> tuple[list, list]:
+            unscaled = self._unscale(grads, self._trainable_variables, scale)
+            new_t, new_inner = self.inner_optimizer.stateless_apply(
+                inner, unscaled, trainable_variables
+            )
+            return list(new_t), list(new_inner)
+
+        def on_skip() -> tuple[list, list]:
+            return [ops.convert_to_tensor(t) for t in trainable_variables], inner
+
+        new_t, new_inner = ops.cond(finite, on_finite, on_skip)
+        new_own = list(own)
+        for i, value in zip(slots, _ls.update(self.loss_scale_rule, state, finite), strict=True):
+            new_own[i] = value
+        return list(new_t), new_own + list(new_inner)
+
+    # ------------------------------------------------------------------- config
+
+    def get_config(self) -> dict:
+        """Return the config: the resolved rule is saved, so loading never re-decides it."""
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "rule": self.loss_scale_rule.to_config(),
+            "loss_scale": self.loss_scale_setting,
+            "compression": self.compression,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "scale_lr": self.scale_lr,
+            "lr_scale": self.lr_scale,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: dict | None = None):
+        """Rebuild from :meth:`get_config` output (the learning rate is not scaled again).
+
+        Configs written by kmp 0.x before the rule was saved (``initial_scale``,
+        ``growth_interval`` and ``resolved_mode`` keys) are read too.
+        """
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        rule = config.pop("rule", None)
+        legacy = {k: config.pop(k) for k in ("initial_scale", "growth_interval") if k in config}
+        mode = config.pop("resolved_mode", None)
+        if rule is not None:
+            rule = _ls.LossScale.from_config(rule)
+        else:  # an old config: decide as it was decided then ("dynamic" on float16)
+            compute = keras.config.dtype_policy().compute_dtype
+            if mode is not None:
+                compute = "float16" if mode == "dynamic" else "float32"
+            rule = _ls.from_setting(config.get("loss_scale"), compute_dtype=compute, **legacy)
+        return cls(inner, rule, **config)

@@ -1,0 +1,189 @@
+"""The shape of kmp/: imports flow one way, no cycles, small modules.
+
+The layers are those of docs/architecture.md; a module may import its own layer
+and the layers below it, never one above. Every ``import`` counts, also the lazy
+ones inside functions, read from the source with ``ast``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+KMP = Path(__file__).resolve().parents[1] / "kmp"
+ARCHITECTURE = KMP.parent / "docs" / "architecture.md"
+
+# Lowest first. A module belongs to the first layer with a matching prefix.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "ground",
+        (
+            "kmp._version",
+            "kmp._names",
+            "kmp._checks",
+            "kmp._imports",
+            "kmp._legacy_keras",
+            "kmp._launcher_env",
+            "kmp.hardware",
+        ),
+    ),
+    ("core rules", ("kmp.policy", "kmp.loss_scale", "kmp.layers", "kmp.auditing")),
+    ("runtime", ("kmp.distributed", "kmp.gpu")),
+    (
+        "training",
+        (
+            "kmp.learning_rate",
+            "kmp.scaling_optimizer",
+            "kmp.optimizer",
+            "kmp.callbacks",
+            "kmp.data",
+            "kmp.datasets",
+            "kmp.saving",
+        ),
+    ),
+    ("compat", ("kmp.compat",)),
+    ("commands", ("kmp.cli", "kmp.commands")),
+    ("face", ("kmp._dispatch", "kmp")),
+]
+MAX_LINES = 450
+MAX_LINES_EXCEPTIONS = {"kmp/data.py": 550}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(KMP.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES: dict[str, Path] = {module_name(p): p for p in sorted(KMP.rglob("*.py"))}
+
+
+def layer_of(module: str) -> int:
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or (prefix != "kmp" and module.startswith(prefix + ".")):
+                return rank
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS and docs/architecture.md")
+
+
+def resolve(module: str, name: str) -> str:
+    """``from module import name``: the submodule if there is one, else the module."""
+    candidate = f"{module}.{name}"
+    return candidate if candidate in MODULES else module
+
+
+def imports_of(path: Path, here: str | None = None) -> Iterator[tuple[str, int]]:
+    """Yield ``(imported kmp module, line)`` for every import in ``path`` (module ``here``)."""
+    here = here or module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "kmp" or alias.name.startswith("kmp."):
+                    yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base == "kmp" or base.startswith("kmp."):
+                for alias in node.names:
+                    yield resolve(base, alias.name), node.lineno
+
+
+def edges() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for mod, path in MODULES.items():
+        for target, _ in imports_of(path):
+            if target != mod and target in MODULES:
+                graph[mod].add(target)
+    return graph
+
+
+def test_every_module_is_in_a_layer():
+    for mod in MODULES:
+        layer_of(mod)
+
+
+def test_imports_flow_downward_only():
+    wrong = []
+    for mod, path in MODULES.items():
+        for target, line in imports_of(path):
+            if target in MODULES and layer_of(target) > layer_of(mod):
+                wrong.append(
+                    f"{path.relative_to(KMP.parent)}:{line}: {mod} ({LAYERS[layer_of(mod)][0]}) "
+                    f"imports {target} ({LAYERS[layer_of(target)][0]})"
+                )
+    assert not wrong, "imports that flow upward:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    "core", ["kmp.policy", "kmp.loss_scale", "kmp.optimizer", "kmp.layers", "kmp.auditing"]
+)
+def test_core_never_imports_compat_commands_or_the_cli(core):
+    for target, line in imports_of(MODULES[core]):
+        assert not target.startswith(("kmp.compat", "kmp.commands", "kmp.cli")), (core, line)
+
+
+def test_no_import_cycles():
+    graph = edges()
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
+    """The checks above can fail: imports inside functions and relative ones are found."""
+    src = tmp_path / "probe.py"
+    src.write_text(
+        "import os\n"
+        "def f():\n"
+        "    from kmp.compat import keras2\n"
+        "    from kmp import _checks, gpu as g\n"
+        "    from . import layers\n"
+        "    import kmp.cli\n"
+    )
+    found = {t for t, _ in imports_of(src, here="kmp.policy")}
+    assert found == {"kmp.compat.keras2", "kmp._checks", "kmp.gpu", "kmp.layers", "kmp.cli"}
+    assert layer_of("kmp.compat.keras2") > layer_of("kmp.policy")
+
+
+def test_modules_are_small():
+    long = []
+    for path in MODULES.values():
+        rel = str(path.relative_to(KMP.parent))
+        n = len(path.read_text().splitlines())
+        if n > MAX_LINES_EXCEPTIONS.get(rel, MAX_LINES):
+            long.append(f"{rel}: {n} lines")
+    assert not long, "modules over the size limit:\n" + "\n".join(long)
+
+
+def test_architecture_doc_names_every_module():
+    text = ARCHITECTURE.read_text()
+    missing = [
+        str(p.relative_to(KMP.parent))
+        for m, p in MODULES.items()
+        if m != "kmp" and str(p.relative_to(KMP.parent)) not in text
+    ]
+    assert not missing, "docs/architecture.md does not mention: " + ", ".join(missing)
