@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import keras
 
+from kmp._names import MIXED_POLICIES
 from kmp.layers import Float32Output, _activation_name
 
 __all__ = ["AuditReport", "Finding", "LayerRow", "audit"]
@@ -239,7 +240,7 @@ def audit(model: keras.Model) -> AuditReport:
             "call it on a batch of data, then audit it."
         )
     global_policy = keras.config.dtype_policy().name
-    mixed = global_policy in ("mixed_float16", "mixed_bfloat16")
+    mixed = global_policy in MIXED_POLICIES
     rows: list[LayerRow] = []
     findings: list[Finding] = []
     outputs = _model_outputs(model)

@@ -43,6 +43,7 @@ __all__ = [
     "LossScale",
     "ScaleState",
     "from_setting",
+    "normalize_setting",
     "update",
 ]
 
@@ -57,6 +58,9 @@ DEFAULTS: dict[str, Any] = {
     "hysteresis": 1,
 }
 KNOBS: tuple[str, ...] = tuple(DEFAULTS)
+# The scale lives in a float32 variable: it must stay a normal, finite float32.
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +97,7 @@ class LossScale:
 
     def __post_init__(self) -> None:
         kind = _checks.check_choice("kind", self.kind, LOSS_SCALE_KINDS)
-        initial = _checks.check_number("initial_scale", self.initial_scale, above=0)
+        initial = _float32_scale("initial_scale", self.initial_scale)
         interval = _checks.check_int("growth_interval", self.growth_interval, minimum=1)
         growth = _checks.check_number(
             "growth_factor", self.growth_factor, above=1, hint="2.0 doubles the scale."
@@ -101,8 +105,8 @@ class LossScale:
         backoff = _checks.check_number(
             "backoff_factor", self.backoff_factor, above=0, below=1, hint="0.5 halves it."
         )
-        low = _checks.check_number("min_scale", self.min_scale, above=0)
-        high = _checks.check_number("max_scale", self.max_scale, above=0)
+        low = _float32_scale("min_scale", self.min_scale)
+        high = _float32_scale("max_scale", self.max_scale)
         if low > high:
             raise ValueError(
                 f"`min_scale` ({low:g}) is larger than `max_scale` ({high:g}): pass a min_scale "
@@ -163,6 +167,17 @@ class LossScale:
         return ScaleState(scale=self.start_scale, good_steps=0, overflow_streak=0, skipped=0)
 
 
+def _float32_scale(name: str, value: Any, hint: str = "") -> float:
+    """A positive finite number that a float32 holds as a normal value (the scale's dtype)."""
+    x = _checks.check_number(name, value, above=0, hint=hint)
+    if not FLOAT32_TINY <= x <= FLOAT32_MAX:
+        raise ValueError(
+            f"`{name}` must lie within float32's normal range [{FLOAT32_TINY:g}, "
+            f"{FLOAT32_MAX:g}], as the loss scale is a float32; got {value!r}."
+        )
+    return x
+
+
 class ScaleState(NamedTuple):
     """What the rule carries from step to step.
 
@@ -177,6 +192,11 @@ class ScaleState(NamedTuple):
     good_steps: Any
     overflow_streak: Any
     skipped: Any
+
+
+def normalize_setting(loss_scale: Any) -> Any:
+    """The canonical form of a ``loss_scale=`` setting (mode names stripped, lower case)."""
+    return loss_scale.strip().lower() if isinstance(loss_scale, str) else loss_scale
 
 
 def from_setting(loss_scale: Any = "dynamic", *, compute_dtype: str, **knobs: Any) -> LossScale:
@@ -210,7 +230,7 @@ def from_setting(loss_scale: Any = "dynamic", *, compute_dtype: str, **knobs: An
         raise TypeError(f"Unknown loss-scale knob(s) {unknown}; the knobs are {', '.join(KNOBS)}.")
     values = {k: v for k, v in knobs.items() if _checks.given(v)}
     if isinstance(loss_scale, str):
-        mode = loss_scale.strip().lower()
+        mode = normalize_setting(loss_scale)
         if mode not in LOSS_SCALE_MODES:
             raise ValueError(
                 f"Unknown loss_scale {loss_scale!r}. Use 'dynamic' (float16 policies only), "
@@ -225,9 +245,15 @@ def from_setting(loss_scale: Any = "dynamic", *, compute_dtype: str, **knobs: An
             f"loss_scale must be 'dynamic', 'force_dynamic', a positive number or None; "
             f"got {type(loss_scale).__name__} {loss_scale!r}."
         )
-    values["initial_scale"] = _checks.check_number(
-        "loss_scale", loss_scale, above=0, hint="Use loss_scale=None to turn loss scaling off."
+    static = _float32_scale(
+        "loss_scale", loss_scale, hint="Use loss_scale=None to turn loss scaling off."
     )
+    if values.get("initial_scale", static) != static:
+        raise ValueError(
+            f"loss_scale={loss_scale!r} is a static scale, and initial_scale="
+            f"{values['initial_scale']!r} only applies to a dynamic one: pass one or the other."
+        )
+    values["initial_scale"] = static
     return LossScale("static", **values)
 
 

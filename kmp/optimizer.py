@@ -2,7 +2,7 @@
 
 One training step with a wrapped optimizer, on every rank::
 
-    loss -> scale_loss (float16 only) -> gradients -> [accumulate N micro-batches]
+    loss -> scale_loss (when scaling) -> gradients -> [accumulate N micro-batches]
          -> ONE grouped allreduce of the still-scaled gradients (optionally fp16/bf16)
          -> finite check (the same answer on every rank)
          -> unscale and apply, or skip the step and back the scale off (every rank alike)
@@ -91,12 +91,13 @@ def _check_optimizer(optimizer: Any) -> None:
 def _requested(given: dict[str, Any]) -> tuple[_ls.LossScale, dict[str, Any]]:
     """Validate what the caller passed; return the rule and the full settings."""
     settings = {**DEFAULTS, **given}
+    settings["loss_scale"] = _ls.normalize_setting(settings["loss_scale"])
     settings["compression"] = normalize_compression(settings["compression"])
     settings["backward_passes_per_step"] = _checks.check_int(
         "backward_passes_per_step", settings["backward_passes_per_step"], minimum=1
     )
     settings["scale_lr"] = _checks.check_bool("scale_lr", settings["scale_lr"])
-    knobs = {k: settings[k] for k in _ls.KNOBS}
+    knobs = {k: given.get(k, NOT_GIVEN) for k in _ls.KNOBS}  # defaults: the rule's own
     rule = _ls.from_setting(
         settings["loss_scale"],
         compute_dtype=keras.config.dtype_policy().compute_dtype,
@@ -107,9 +108,13 @@ def _requested(given: dict[str, Any]) -> tuple[_ls.LossScale, dict[str, Any]]:
 
 
 def _rewrap_clashes(optimizer: DistributedLossScaleOptimizer, given: dict[str, Any]) -> list[str]:
-    """The explicitly given settings that differ from those ``optimizer`` was made with."""
+    """The explicitly given settings that differ from those ``optimizer`` was made with.
+
+    What is not given is taken from ``optimizer`` itself, so only the given
+    values are judged (and checked).
+    """
     have = optimizer.settings()
-    _, wanted = _requested(given)
+    _, wanted = _requested({**have, **given})
     return [f"{k}={wanted[k]!r} (it has {have[k]!r})" for k in given if wanted[k] != have[k]]
 
 
@@ -192,8 +197,6 @@ def wrap_optimizer(
         if _checks.given(v)
     }
     _check_optimizer(optimizer)
-    rule, settings = _requested(given)
-
     if isinstance(optimizer, DistributedLossScaleOptimizer):
         clashes = _rewrap_clashes(optimizer, given)
         if clashes:
@@ -205,10 +208,18 @@ def wrap_optimizer(
         return optimizer
 
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        # Keras's own loss scaling: keep its scale and interval unless asked otherwise.
-        given.setdefault("initial_scale", _current_keras_scale(optimizer))
+        # Keras's own loss scaling: keep its scale and interval unless asked otherwise. Its
+        # scale has no bounds, so it is brought into kmp's [min_scale, max_scale].
+        low = given.get("min_scale", DEFAULTS["min_scale"])
+        high = given.get("max_scale", DEFAULTS["max_scale"])
+        current = _current_keras_scale(optimizer)
+        if _checks.is_real(low) and _checks.is_real(high):
+            current = min(max(current, low), high)
+        if not _checks.is_real(given.get("loss_scale")):  # a static scale needs no start
+            given.setdefault("initial_scale", current)
         given.setdefault("growth_interval", int(optimizer.dynamic_growth_steps))
         return wrap_optimizer(optimizer.inner_optimizer, **given)
+    rule, settings = _requested(given)
     if getattr(optimizer, "loss_scale_factor", None) is not None:
         raise ValueError(
             f"The optimizer has loss_scale_factor={optimizer.loss_scale_factor}; kmp scales "

@@ -35,12 +35,15 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Build it with :func:`kmp.wrap_optimizer`, which validates the arguments and
     scales the learning rate. Everything is decided when the object is made:
-    with ``rule=None`` the ``loss_scale`` setting is resolved against the global
-    dtype policy current at construction (see :func:`kmp.loss_scale.from_setting`).
+    without a :class:`~kmp.loss_scale.LossScale` the ``loss_scale`` setting is
+    resolved against the global dtype policy current at construction (see
+    :func:`kmp.loss_scale.from_setting`).
 
     Args:
         inner_optimizer: The Keras optimizer that updates the weights.
-        rule: The :class:`kmp.loss_scale.LossScale`; None resolves ``loss_scale`` now.
+        rule: The :class:`kmp.loss_scale.LossScale`. A setting (``"dynamic"``, a
+            number, None) is accepted here too, as the second argument was the
+            setting before the rule existed; None resolves ``loss_scale``.
         loss_scale: The setting the user passed (``"dynamic"``, ``"force_dynamic"``,
             a number or None), kept for :meth:`settings`.
         compression: None, ``"fp16"`` or ``"bf16"``.
@@ -48,6 +51,8 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale_lr: Whether :func:`kmp.wrap_optimizer` scaled the learning rate.
         lr_scale: The factor it scaled it by (kept for the config).
         name: Optimizer name.
+        **knobs: Loss-scale knobs (``initial_scale``, ``growth_interval``, ...) for
+            a rule resolved here; not allowed together with a ``LossScale``.
     """
 
     def __init__(
@@ -61,13 +66,20 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale_lr: bool = False,
         lr_scale: float = 1.0,
         name: str | None = None,
+        **knobs: Any,
     ):
-        if rule is None:
-            rule = _ls.from_setting(
-                loss_scale, compute_dtype=keras.config.dtype_policy().compute_dtype
-            )
         if not isinstance(rule, _ls.LossScale):
-            raise TypeError(f"rule must be a kmp.loss_scale.LossScale or None, not {rule!r}.")
+            if rule is not None:  # the old positional `loss_scale`
+                loss_scale = rule
+            loss_scale = _ls.normalize_setting(loss_scale)
+            rule = _ls.from_setting(
+                loss_scale, compute_dtype=keras.config.dtype_policy().compute_dtype, **knobs
+            )
+        elif knobs:
+            raise TypeError(
+                f"Pass the loss-scale knobs ({', '.join(knobs)}) either in the LossScale or as "
+                "keyword arguments without one, not both."
+            )
         super().__init__(
             inner_optimizer,
             initial_scale=rule.initial_scale,
@@ -84,6 +96,11 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._own_index: dict[int, int] = {}
 
     # ------------------------------------------------------------------ reading
+
+    @property
+    def loss_scale_arg(self) -> Any:
+        """The ``loss_scale`` setting (the name this attribute had before the rule existed)."""
+        return self.loss_scale_setting
 
     @property
     def loss_scale_mode(self) -> str:
@@ -176,6 +193,21 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self.overflow_streak_counter,
             self.skipped_steps_counter,
         )
+
+    def load_own_variables(self, store: Any) -> None:
+        """Load saved optimizer state; also state saved before ``overflow_streak`` existed.
+
+        Files written by kmp before the hysteresis counter lack that one variable
+        (the fourth of this optimizer's own); it is restored as 0 instead of
+        Keras dropping the whole optimizer state.
+        """
+        keys = list(store.keys())
+        streak = self._own_index.get(id(getattr(self, "overflow_streak_counter", None)))
+        if streak is not None and len(keys) == len(self.variables) - 1:
+            values = [store[str(i)] for i in range(len(keys))]
+            values.insert(streak, 0)
+            store = {str(i): v for i, v in enumerate(values)}
+        super().load_own_variables(store)
 
     # -------------------------------------------------------------------- scale
 
@@ -392,5 +424,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             compute = keras.config.dtype_policy().compute_dtype
             if mode is not None:
                 compute = "float16" if mode == "dynamic" else "float32"
+            if mode == "static":  # the static value is the setting itself
+                legacy.pop("initial_scale", None)
             rule = _ls.from_setting(config.get("loss_scale"), compute_dtype=compute, **legacy)
         return cls(inner, rule, **config)

@@ -10,7 +10,8 @@
 #
 # One process runs per slot (set KMP_NP to run fewer). Every host needs passwordless ssh
 # from this one, and this checkout with its .venv/ at the same path (a shared file system,
-# or the same set-up on each machine).
+# or the same set-up on each machine). Before the job starts, kmp launch checks that every
+# host answers over ssh and has the interface given with --network-interface.
 #
 # Environment:
 #   KMP_NP             number of processes; default: all slots in HOSTFILE
@@ -19,7 +20,15 @@
 #
 # Example:
 #   printf 'node1 slots=4\nnode2 slots=4\n' > hosts.txt
-#   bash launch/hostfile.sh hosts.txt launch/train.py --model resnet50 --batch-size 64
+#   KMP_LAUNCH_ARGS="--network-interface eth0" \
+#     bash launch/hostfile.sh hosts.txt launch/train.py --model resnet50 --batch-size 64
+#
+# Tried on one machine first (root; see launch/README.md, "kmp cluster"):
+#   kmp cluster up --hosts 2 --slots 2
+#   printf 'h1 slots=2\nh2 slots=2\n' > hosts.txt
+#   kmp cluster exec h1 -- env KMP_LAUNCH_ARGS="--network-interface eth0" \
+#     bash launch/hostfile.sh hosts.txt launch/train.py --epochs 2
+#   kmp cluster down
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

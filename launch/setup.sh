@@ -5,6 +5,10 @@
 #   KMP_SETUP_FORCE=1 bash launch/setup.sh   # reinstall everything
 #
 # Steps:
+#   0. As root on Debian/Ubuntu (CI): the system packages the multi-host tests and MPI
+#      need, if any is missing: openssh-server/-client, iproute2, iputils-ping (for
+#      `kmp cluster`), openmpi-bin and libopenmpi-dev (Horovod's MPI controller).
+#      KMP_SYSTEM_PACKAGES=0 skips this step; without root it is skipped with a note.
 #   1. .venv/ with Python 3.11 (python3.11, else python3 if it is 3.11).
 #   2. The pinned packages of requirements.txt, then kmp itself (editable).
 #   3. Horovod 0.28.1 compiled from its source distribution against the
@@ -47,13 +51,47 @@ want_stamp() {
 }
 
 horovod_ok() {
-  "$PY" - <<'PY' 2>/dev/null
+  local want_mpi=0
+  command -v mpicxx >/dev/null 2>&1 && want_mpi=1
+  KMP_WANT_MPI=$want_mpi "$PY" - <<'PY' 2>/dev/null
+import os
 import horovod, horovod.tensorflow as hvd
 from horovod.tensorflow import mpi_ops  # loads the compiled TF ops
 assert horovod.__version__ == "0.28.1", horovod.__version__
 assert hvd.gloo_built()
+# Built with MPI exactly when OpenMPI is installed (a later install triggers a rebuild).
+assert hvd.mpi_built() == (os.environ["KMP_WANT_MPI"] == "1")
 PY
 }
+
+system_packages() {
+  # The tools `kmp cluster` and Horovod's MPI controller need; installed only when missing.
+  local missing=()
+  [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+  command -v ssh >/dev/null 2>&1 || missing+=(openssh-client)
+  command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+  command -v ping >/dev/null 2>&1 || missing+=(iputils-ping)
+  command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
+  command -v mpicxx >/dev/null 2>&1 || missing+=(libopenmpi-dev)
+  [ "${#missing[@]}" -eq 0 ] && return 0
+  if [ "${KMP_SYSTEM_PACKAGES:-1}" = 0 ]; then
+    log "KMP_SYSTEM_PACKAGES=0: not installing ${missing[*]} (multi-host and MPI tests will skip)"
+    return 0
+  fi
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    log "not root with apt-get: skipping system packages ${missing[*]}" \
+        "(multi-host and MPI tests will skip; install them to run those)"
+    return 0
+  fi
+  local t0=$SECONDS
+  log "installing system packages: ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" \
+    >/dev/null
+  log "system packages installed in $((SECONDS - t0)) s"
+}
+
+system_packages
 
 if [ ! -x "$PY" ]; then
   PYTHON="$(find_python)"

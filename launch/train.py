@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import socket
 import sys
 import time
 import zlib
@@ -105,7 +106,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         help="stop this run after N epochs as if preempted (to try out resuming)",
     )
-    p.add_argument("--summary", help="write the results as JSON to this file (rank 0)")
+    p.add_argument(
+        "--summary",
+        help="write the results as JSON to this file (rank 0); with {rank} in the name, every "
+        "rank writes its own",
+    )
+    p.add_argument(
+        "--inject-overflow",
+        type=int,
+        metavar="STEP",
+        help="make training step STEP (0-based, counted over the run) overflow on one rank, "
+        "to watch every rank skip it together",
+    )
+    p.add_argument(
+        "--inject-overflow-rank",
+        type=int,
+        metavar="R",
+        help="the rank whose batch overflows (default: the last rank)",
+    )
     p.add_argument(
         "--verbose",
         default="auto",
@@ -137,6 +155,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--steps-per-epoch must be >= 1")
     if args.warmup_epochs < 0:
         p.error("--warmup-epochs must be >= 0")
+    if args.inject_overflow is not None and args.inject_overflow < 0:
+        p.error("--inject-overflow must be a step >= 0")
     return args
 
 
@@ -286,6 +306,18 @@ def throughput_callback(images_per_step: int):
     return Throughput()
 
 
+def inject_overflow(dataset, step: int):
+    """Make batch ``step`` of ``dataset`` all inf: its gradients overflow on this rank only."""
+    import tensorflow as tf
+
+    def poison(i, batch):
+        x, *rest = batch
+        bad = tf.fill(tf.shape(x), tf.constant(float("inf"), x.dtype))
+        return (tf.where(tf.equal(i, step), bad, x), *rest)
+
+    return dataset.enumerate().map(poison)
+
+
 def stop_after(epochs: int):
     import keras
 
@@ -362,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     epochs_left = max(args.epochs - initial_epoch, 0)
     history: dict[str, list] = {}
+    checkpoints_written: list[str] = []
     rate = throughput_callback(args.batch_size * world.size)
     if epochs_left:
         train = kmp.data.load(
@@ -375,6 +408,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps_per_epoch=steps,
             image_size=args.image_size,
         )
+        overflow_rank = args.inject_overflow_rank
+        if overflow_rank is None:
+            overflow_rank = world.size - 1
+        if args.inject_overflow is not None and world.rank == overflow_rank:
+            train = inject_overflow(train, args.inject_overflow)
+            print(f"rank {world.rank}: step {args.inject_overflow} will overflow", flush=True)
         callbacks = kmp.callbacks.default_callbacks(
             # A cosine schedule has its warm-up built in; a constant rate uses the callback.
             warmup_epochs=(args.warmup_epochs or None) if args.lr_schedule == "constant" else None,
@@ -393,6 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             verbose=kmp.callbacks.verbosity(args.verbose),
         )
         history = {k: [float(v) for v in vals] for k, vals in result.history.items()}
+        saved = [cb.saved for cb in callbacks if isinstance(cb, kmp.callbacks.AtomicCheckpoint)]
+        checkpoints_written = saved[0] if saved else []
     else:
         log(f"nothing to train: {initial_epoch} of {args.epochs} epochs already done")
 
@@ -427,15 +468,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "weights_max_diff": max_diff,
         "non_trainable_max_diff": stats_diff,
         "images_per_sec": sum(measured) / len(measured) if measured else None,
+        # Where this rank ran, and what it wrote (a per-rank --summary shows every rank's).
+        "rank": world.rank,
+        "hostname": socket.gethostname(),
+        "local_rank": world.local_rank,
+        "local_size": world.local_size,
+        "cross_rank": world.cross_rank,
+        "cross_size": world.cross_size,
+        "checkpoints_written": checkpoints_written,
     }
     log(
         f"test accuracy {accuracy:.4f} | ranks' weights "
         f"{'identical' if max_diff == 0 else f'DIFFER (max {max_diff:g})'} | "
         + (f"{summary['images_per_sec']:.0f} images/s" if measured else "no training")
     )
-    if args.summary and world.rank == 0:
-        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.summary).write_text(json.dumps(summary, indent=2))
+    per_rank = args.summary and "{rank}" in args.summary
+    if args.summary and (per_rank or world.rank == 0):
+        out = Path(args.summary.replace("{rank}", str(world.rank)))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=2))
     return 0
 
 

@@ -94,6 +94,14 @@ def imports_of(path: Path, here: str | None = None) -> Iterator[tuple[str, int]]
             if base == "kmp" or base.startswith("kmp."):
                 for alias in node.names:
                     yield resolve(base, alias.name), node.lineno
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("kmp")
+        ):  # importlib.import_module("kmp.x"): an import by name
+            yield str(node.args[0].value), node.lineno
 
 
 def edges() -> dict[str, set[str]]:
@@ -163,9 +171,17 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
         "    from kmp import _checks, gpu as g\n"
         "    from . import layers\n"
         "    import kmp.cli\n"
+        "    importlib.import_module('kmp.commands.launch')\n"
     )
     found = {t for t, _ in imports_of(src, here="kmp.policy")}
-    assert found == {"kmp.compat.keras2", "kmp._checks", "kmp.gpu", "kmp.layers", "kmp.cli"}
+    assert found == {
+        "kmp.compat.keras2",
+        "kmp._checks",
+        "kmp.gpu",
+        "kmp.layers",
+        "kmp.cli",
+        "kmp.commands.launch",
+    }
     assert layer_of("kmp.compat.keras2") > layer_of("kmp.policy")
 
 

@@ -275,6 +275,12 @@ class _FakeHorovod:
     def local_size(self):
         return self.layout[3]
 
+    def cross_rank(self):
+        return self.layout[0] // self.layout[3]
+
+    def cross_size(self):
+        return self.layout[1] // self.layout[3]
+
 
 @pytest.fixture
 def fake_horovod(monkeypatch):
@@ -308,7 +314,9 @@ def test_init_under_a_launcher_passes_horovods_local_rank_to_configure_gpus(
     fake = patch_tf_gpus(monkeypatch, 2)
     w = dist.init()
     assert hvd.initialised
-    assert w == dist.World(rank=3, size=4, local_rank=1, local_size=2, horovod=True)
+    assert w == dist.World(
+        rank=3, size=4, local_rank=1, local_size=2, horovod=True, cross_rank=1, cross_size=2
+    )
     assert dist.uses_horovod() and not dist.is_chief() and dist.size() == 4
     assert fake.calls == [
         ("set_visible_devices", ["/physical_device:GPU:1"], "GPU"),

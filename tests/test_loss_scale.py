@@ -278,3 +278,24 @@ def test_from_setting_bad_input():
         ls.from_setting(-1.0, compute_dtype="float16")
     with pytest.raises(TypeError, match=r"Unknown loss-scale knob\(s\) \['growth'\]"):
         ls.from_setting("dynamic", compute_dtype="float16", growth=2.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_scale": 1e39}, r"`max_scale` must lie within float32's normal range"),
+        ({"min_scale": 1e-50, "initial_scale": 1.0}, r"`min_scale` must lie within float32's"),
+        ({"initial_scale": 1e39}, "initial_scale"),
+    ],
+)
+def test_the_scale_stays_a_normal_float32(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ls.LossScale("dynamic", **kwargs)
+
+
+def test_a_static_scale_and_a_different_initial_scale_conflict():
+    with pytest.raises(ValueError, match=r"loss_scale=128\.0 is a static scale.*one or the other"):
+        ls.from_setting(128.0, compute_dtype="float16", initial_scale=4.0)
+    assert ls.from_setting(128.0, compute_dtype="float16", initial_scale=128).initial_scale == 128
+    with pytest.raises(ValueError, match="`loss_scale` must lie within float32's normal range"):
+        ls.from_setting(1e39, compute_dtype="float16")

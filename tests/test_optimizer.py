@@ -737,3 +737,53 @@ def test_save_load_resume_equals_training_straight_through(state_job):
 
 def test_public_name():
     assert kmp.wrap_optimizer.__wrapped__ is wrap_optimizer
+
+
+# ------------------------------------------------------- compatibility and edges
+
+
+def test_state_saved_before_the_hysteresis_counter_still_loads():
+    """Files from before overflow_streak existed hold one own variable fewer."""
+    keras.config.set_dtype_policy("mixed_float16")
+    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), backward_passes_per_step=2)
+    w = keras.Variable(np.zeros(3, "float32"))
+    opt.build([w])
+    values = [np.asarray(v) + i + 1 for i, v in enumerate(opt.variables)]
+    streak_at = next(i for i, v in enumerate(opt.variables) if v is opt.overflow_streak_counter)
+    old = {str(i): v for i, v in enumerate(values[:streak_at] + values[streak_at + 1 :])}
+    opt.load_own_variables(old)
+    loaded = [np.asarray(v) for v in opt.variables]
+    assert opt.overflow_streak == 0
+    for i, (got, want) in enumerate(zip(loaded, values, strict=True)):
+        if i != streak_at:
+            np.testing.assert_array_equal(got, want)
+    opt.load_own_variables({str(i): v for i, v in enumerate(values)})  # today's layout
+    assert opt.overflow_streak == values[streak_at]
+
+
+def test_rewrapping_judges_only_what_is_given():
+    opt = wrap_optimizer(keras.optimizers.SGD(), loss_scale="force_dynamic",
+                         min_scale=2.0**16, initial_scale=2.0**17)  # fmt: skip
+    assert wrap_optimizer(opt, min_scale=2.0**16) is opt  # not judged against the defaults
+    assert wrap_optimizer(opt, loss_scale=" Force_Dynamic ") is opt  # names are normalised
+
+
+def test_a_backed_off_keras_scale_is_brought_into_range():
+    keras.config.set_dtype_policy("mixed_float16")
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=0.25)
+    assert wrap_optimizer(lso).loss_scale == 1.0  # kmp's floor, not an error
+    big = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=2.0**30)
+    assert wrap_optimizer(big).loss_scale == 2.0**24
+
+
+def test_the_old_positional_setting_still_constructs():
+    keras.config.set_dtype_policy("mixed_float16")
+    opt = DistributedLossScaleOptimizer(keras.optimizers.SGD(), "dynamic", growth_interval=7)
+    assert opt.loss_scale_mode == "dynamic" and opt.dynamic_growth_steps == 7
+    assert opt.loss_scale_arg == "dynamic"
+    static = DistributedLossScaleOptimizer(keras.optimizers.SGD(), 64.0)
+    assert static.loss_scale_mode == "static" and static.loss_scale == 64.0
+    with pytest.raises(TypeError, match="either in the LossScale or as keyword arguments"):
+        DistributedLossScaleOptimizer(
+            keras.optimizers.SGD(), kmp.loss_scale.LossScale("dynamic"), hysteresis=2
+        )

@@ -265,6 +265,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         self.verbose = verbose
         self.best = -math.inf if mode == "max" else math.inf
         self.last_saved: str | None = None
+        self.saved: list[str] = []  # every file this callback wrote (on the chief only)
 
     @property
     def directory(self) -> str:
@@ -311,6 +312,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         else:
             atomic_save(path, self.model.save)
         self.last_saved = path
+        self.saved.append(path)
         if self.verbose:
             print(f"Epoch {epoch + 1}: checkpoint written to {path}", flush=True)
         if self.keep is not None:

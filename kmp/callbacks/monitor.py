@@ -7,9 +7,10 @@ import warnings
 from typing import Any
 
 import keras
+import numpy as np
 
 from kmp._checks import check_bool, check_choice, check_int
-from kmp.callbacks._ranks import _chief_print, _model_optimizer, _to_float
+from kmp.callbacks._ranks import _chief_print, _is_chief, _model_optimizer, _to_float
 
 __all__ = ["STUCK_ACTIONS", "LossScaleMonitor"]
 
@@ -65,6 +66,11 @@ def _min_scale(scaler: Any | None) -> float | None:
     """The floor of a dynamic kmp scale (``loss_scale_rule.min_scale``), else None."""
     rule = getattr(scaler, "loss_scale_rule", None)
     return float(rule.min_scale) if rule is not None and rule.dynamic else None
+
+
+def _at_floor(scale: float | None, floor: float) -> bool:
+    """``scale`` (read from a float32 variable) sits at ``floor``, compared in float32."""
+    return scale is not None and np.float32(scale) <= np.float32(floor)
 
 
 class LossScaleMonitor(keras.callbacks.Callback):
@@ -133,9 +139,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.stuck_steps = 0
         self.stopped = False
 
-    def current(self) -> tuple[float | None, int | None]:
+    def current(self, scaler: Any | None = None) -> tuple[float | None, int | None]:
         """Return ``(loss_scale, skipped_steps)`` now, or ``(None, None)`` without scaling."""
-        scale, skipped = _read_loss_scale(_find_scaler(self._optimizer()))
+        if scaler is None:
+            scaler = _find_scaler(self._optimizer())
+        scale, skipped = _read_loss_scale(scaler)
         if scale is None:
             return None, None
         if skipped is None:  # plain Keras LossScaleOptimizer: count halvings
@@ -148,11 +156,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
         return _model_optimizer(self, "LossScaleMonitor")
 
     def _update(self, logs: dict | None, *, step: bool = False) -> None:
-        scale, skipped = self.current()
+        scaler = _find_scaler(self._optimizer())  # one walk of the optimizer chain per read
+        scale, skipped = self.current(scaler)
         if scale is None:
             if not self._noted:  # decided once: nothing to report this training
                 self._noted = True
-                if self.verbose and not _reports_nothing(_find_scaler(self._optimizer())):
+                if self.verbose and not _reports_nothing(scaler):
                     _chief_print(
                         "LossScaleMonitor: the optimizer does not scale the loss (nothing to "
                         "report); use kmp.wrap_optimizer under a float16 policy to get loss "
@@ -163,24 +172,33 @@ class LossScaleMonitor(keras.callbacks.Callback):
             new = skipped - self._last_skipped
             if new > 0 and self.verbose:
                 steps = "step skipped" if new == 1 else f"{new} steps skipped"
-                _chief_print(f"overflow: {steps}, loss scale lowered to {scale:g}")
-            if step:  # a batch ended: one more step to judge
-                self._track_stuck(new, scale)
+                lowered = self._last_scale is not None and scale < self._last_scale
+                now = f"lowered to {scale:g}" if lowered else f"kept at {scale:g}"
+                _chief_print(f"overflow: {steps}, loss scale {now}")
+            if step:  # a batch ended: judge the steps it ran
+                self._track_stuck(scaler, new, scale)
         self._last_scale, self._last_skipped = scale, skipped
         if logs is not None:
             logs["loss_scale"] = scale
             logs["skipped_steps"] = skipped
 
-    def _track_stuck(self, new_skips: int, scale: float) -> None:
-        """Count overflows taken at the floor; warn or stop after ``patience`` in a row."""
-        floor = _min_scale(_find_scaler(self._optimizer()))
-        at_floor = floor is not None and self._last_scale is not None
-        at_floor = at_floor and self._last_scale <= floor and scale <= floor
-        if new_skips <= 0 or not at_floor:
+    def _track_stuck(self, scaler: Any, new_skips: int, scale: float) -> None:
+        """Count overflows taken at the floor; warn or stop after ``patience`` in a row.
+
+        The optimizer's own ``overflow_streak`` (overflows in a row) bounds the
+        count, so overflows broken up by a finite step never add up, whether a
+        batch runs one step, several (``steps_per_execution``) or a micro-batch
+        of an accumulation window.
+        """
+        floor = _min_scale(scaler)
+        streak = getattr(scaler, "overflow_streak", None)
+        if floor is None or streak is None:
+            return
+        if streak == 0 or not (_at_floor(self._last_scale, floor) and _at_floor(scale, floor)):
             self.stuck_steps = 0
             self._reported = False
             return
-        self.stuck_steps += new_skips
+        self.stuck_steps = min(self.stuck_steps + max(new_skips, 0), int(streak))
         if self.stuck_steps < self.patience or self._reported:
             return
         self._reported = True
@@ -195,7 +213,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             self.model.stop_training = True
             self.stopped = True
             _chief_print(f"LossScaleMonitor stopped training. {message}")
-        else:
+        elif _is_chief():  # every rank sees the same state; one warning is enough
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def on_train_begin(self, logs: dict | None = None) -> None:

@@ -14,4 +14,5 @@ COMMANDS: dict[str, str] = {
     "audit": "Audit a saved Keras model's layer dtypes; exit 1 when it is not ok.",
     "launch": "Run a training script on N processes under horovodrun.",
     "bench": "Run kmp's benchmarks and write bench/results/.",
+    "cluster": "Make a multi-host cluster on this Linux machine (network namespaces, sshd).",
 }

@@ -8,6 +8,12 @@
     kmp launch --hostfile hosts.txt train.py              # -np: all slots of the hosts
     kmp launch -np 2 --policy mixed_bfloat16 --dry-run train.py   # print, do not run
     kmp launch -np 1 train.py                             # plain `python train.py`
+    kmp launch -H h1:1,h2:1 --network-interface eth0 --ssh-identity-file KEY train.py
+
+Before a job with other hosts (or a named interface) starts, every host is
+checked in parallel (:mod:`kmp.commands.preflight`): one that ssh cannot reach,
+or an interface missing on a host, is an error naming it, within seconds,
+instead of a Gloo abort or a hang (``--no-preflight`` skips this).
 
 The command is built as an argument list (never a shell string) by the pure
 functions here (:func:`parse_hosts`, :func:`parse_hostfile`,
@@ -20,11 +26,7 @@ prefixes each rank's command with the variables (also over ssh to other
 hosts), with Open MPI it adds ``-x VAR`` for each one, and MPICH / Intel MPI
 pass the environment on by default.
 
-Hostfile format (one host per line, ``#`` starts a comment)::
-
-    node1 slots=4
-    node2:4          # the -H spelling works too
-    node3            # one slot
+Host lists (``-H``, ``--hostfile``) are parsed by :mod:`kmp.commands.hosts`.
 """
 
 from __future__ import annotations
@@ -32,13 +34,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import shlex
 import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from kmp._names import VALID_POLICIES, normalize_policy
+from kmp.commands import preflight
+from kmp.commands.hosts import (
+    HOST_RE,
+    Host,
+    LaunchError,
+    parse_hostfile,
+    parse_hosts,
+    read_hostfile,
+)
 
 __all__ = [
     "ENV_PREFIX",
@@ -59,9 +71,7 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KMP_"
-# The names kmp.policy.VALID_POLICIES accepts, repeated here so that `kmp launch` starts
-# without importing Keras/TensorFlow (a test keeps the two lists equal).
-POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
+POLICIES = VALID_POLICIES  # kmp._names imports nothing heavy: `kmp launch` stays fast
 # Intel's OpenMP runtime reads variables with the same prefix (scikit-learn and joblib set
 # some on import). They reach the ranks like every variable, but are not kmp settings.
 _OPENMP_VARS = frozenset(
@@ -78,22 +88,6 @@ _OPENMP_VARS = frozenset(
 )
 # Read by the launch/ shell scripts themselves, not settings for the ranks.
 _LAUNCHER_VARS = frozenset({"KMP_LAUNCH_ARGS", "KMP_NP"})
-_HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
-
-
-class LaunchError(ValueError):
-    """Bad input to ``kmp launch``; the message says what was wrong and what to do."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Host:
-    """One machine and how many processes it may run."""
-
-    name: str
-    slots: int
-
-    def __str__(self) -> str:
-        return f"{self.name}:{self.slots}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,99 +100,14 @@ class LaunchPlan:
             settings every rank receives).
         horovodrun: True when the job goes through ``horovodrun``; False for
             a single process started directly.
+        checks: What to check on the hosts before starting (see
+            :mod:`kmp.commands.preflight`); empty for a one-machine job.
     """
 
     argv: tuple[str, ...]
     env: Mapping[str, str]
     horovodrun: bool
-
-
-# ------------------------------------------------------------------ hosts
-
-
-def _slots(text: str, where: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise LaunchError(f"{where}: slots must be a positive integer, got {text!r}.")
-    return int(text)
-
-
-def _host_name(text: str, where: str) -> str:
-    if not _HOST_RE.match(text):
-        raise LaunchError(f"{where}: {text!r} is not a host name (letters, digits, '.', '-', '_').")
-    return text
-
-
-def _no_duplicates(hosts: list[Host], where: str) -> list[Host]:
-    seen: set[str] = set()
-    for host in hosts:
-        if host.name in seen:
-            raise LaunchError(f"{where}: host {host.name!r} is listed twice; list it once.")
-        seen.add(host.name)
-    return hosts
-
-
-def parse_hosts(spec: str) -> list[Host]:
-    """Parse a ``-H`` value such as ``"node1:4,node2:4"`` (a host without ``:N`` has 1 slot).
-
-    Raises:
-        LaunchError: An empty entry, a bad host name or a bad slot count.
-    """
-    hosts = []
-    for i, entry in enumerate(spec.split(","), start=1):
-        where = f"-H {spec!r}, entry {i}"
-        entry = entry.strip()
-        if not entry:
-            raise LaunchError(f"{where}: empty entry; use -H host1:N,host2:M.")
-        name, sep, slots = entry.partition(":")
-        hosts.append(Host(_host_name(name, where), _slots(slots, where) if sep else 1))
-    return _no_duplicates(hosts, f"-H {spec!r}")
-
-
-def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
-    """Parse hostfile text: one ``HOST slots=N``, ``HOST:N`` or ``HOST`` per line.
-
-    Blank lines and ``#`` comments are ignored.
-
-    Args:
-        text: The file's contents.
-        source: How to name the file in errors.
-
-    Returns:
-        The hosts, in file order.
-
-    Raises:
-        LaunchError: A malformed line (the message names its number and text),
-            a host listed twice, or no hosts at all.
-    """
-    hosts = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        where = f"{source} line {number} ({raw.strip()!r})"
-        fields = line.split()
-        if len(fields) == 1:
-            name, sep, slots = fields[0].partition(":")
-            hosts.append(Host(_host_name(name, where), _slots(slots, where) if sep else 1))
-        elif len(fields) == 2 and fields[1].startswith("slots="):
-            hosts.append(
-                Host(_host_name(fields[0], where), _slots(fields[1][len("slots=") :], where))
-            )
-        else:
-            raise LaunchError(
-                f"{where}: expected 'HOST slots=N', 'HOST:N' or 'HOST', one host per line."
-            )
-    if not hosts:
-        raise LaunchError(f"{source} lists no hosts; add lines like 'node1 slots=4'.")
-    return _no_duplicates(hosts, source)
-
-
-def read_hostfile(path: str | os.PathLike) -> list[Host]:
-    """Read and parse a hostfile (see :func:`parse_hostfile`)."""
-    path = Path(path)
-    if not path.is_file():
-        raise LaunchError(f"Hostfile {str(path)!r} does not exist or is not a file.")
-    return parse_hostfile(path.read_text(), source=f"hostfile {str(path)!r}")
+    checks: tuple[preflight.Check, ...] = ()
 
 
 # ---------------------------------------------------------------- command
@@ -234,6 +143,7 @@ def build_command(
     controller: str | None = None,
     policy: str | None = None,
     ssh_port: int | None = None,
+    ssh_identity_file: str | os.PathLike | None = None,
     network_interfaces: str | None = None,
     python: str | None = None,
     horovodrun: str | None = None,
@@ -250,7 +160,9 @@ def build_command(
         controller: ``"gloo"``, ``"mpi"``, or None to let ``horovodrun`` choose.
         policy: Dtype policy for every rank (sets ``KMP_POLICY``).
         ssh_port: SSH port of the other hosts.
-        network_interfaces: Comma-separated interfaces for ``horovodrun``.
+        ssh_identity_file: SSH private key for the other hosts; it must exist.
+        network_interfaces: Comma-separated interfaces for ``horovodrun`` (each must
+            exist on every host: checked before the job starts).
         python: Interpreter for the script; this one (``sys.executable``) when None.
         horovodrun: Path of ``horovodrun``; the one next to ``python`` or on PATH when None.
         environ: Environment to take ``KMP_*`` variables from; ``os.environ`` when None.
@@ -260,7 +172,8 @@ def build_command(
 
     Raises:
         LaunchError: ``np < 1``, a missing script, an unknown controller or
-            policy, or hosts with fewer slots than ``np``.
+            policy, a missing identity file, a bad port or interface name, or hosts
+            with fewer slots than ``np``.
     """
     if isinstance(np, bool) or not isinstance(np, int) or np < 1:
         raise LaunchError(f"-np must be an integer >= 1 (the number of processes), got {np!r}.")
@@ -272,8 +185,11 @@ def build_command(
         )
     if controller not in (None, "gloo", "mpi"):
         raise LaunchError(f"controller must be 'gloo', 'mpi' or None, got {controller!r}.")
-    if policy is not None and policy not in POLICIES:
-        raise LaunchError(f"--policy {policy!r} is not a policy; use one of {', '.join(POLICIES)}.")
+    if policy is not None:
+        try:
+            policy = normalize_policy(policy)
+        except (TypeError, ValueError) as exc:
+            raise LaunchError(f"--policy: {exc}") from None
     env = forwarded_env(os.environ if environ is None else environ, policy)
     python = python or sys.executable
     command = [python, str(script_path), *script_args]
@@ -288,15 +204,37 @@ def build_command(
             f"-np {np} needs {np} slots, but the hosts ({listed}) provide {total}. "
             "Add slots (-H host:N) or hosts, or lower -np."
         )
+    if ssh_port is not None and (isinstance(ssh_port, bool) or not 1 <= int(ssh_port) <= 65535):
+        raise LaunchError(f"--ssh-port must be a TCP port from 1 to 65535, got {ssh_port!r}.")
+    if ssh_identity_file is not None and not Path(ssh_identity_file).is_file():
+        raise LaunchError(
+            f"--ssh-identity-file {str(ssh_identity_file)!r} does not exist; give the private "
+            "key that the other hosts accept."
+        )
+    nics = [n.strip() for n in (network_interfaces or "").split(",") if n.strip()]
+    for nic in nics:
+        if not HOST_RE.match(nic) or len(nic) > 15:
+            raise LaunchError(f"--network-interface {nic!r} is not an interface name (e.g. eth0).")
     argv = [horovodrun or _default_horovodrun(), "-np", str(np)]
     argv += ["-H", ",".join(str(h) for h in hosts)]
     if controller:
         argv.append(f"--{controller}")
     if ssh_port is not None:
         argv += ["-p", str(ssh_port)]
-    if network_interfaces:
-        argv += ["--network-interfaces", network_interfaces]
-    return LaunchPlan(argv=tuple(argv + command), env=env, horovodrun=True)
+    if ssh_identity_file is not None:
+        argv += ["--ssh-identity-file", str(ssh_identity_file)]
+    if nics:
+        argv += ["--network-interfaces", ",".join(nics)]
+        if controller == "mpi":  # MPI's own out-of-band channel must take the same interface
+            argv.append(f"--mpi-args=-mca oob_tcp_if_include {','.join(nics)}")
+    checks = preflight.plan_checks(
+        [h.name for h in hosts],
+        nics,
+        python=python,
+        ssh_port=ssh_port,
+        identity_file=None if ssh_identity_file is None else str(ssh_identity_file),
+    )
+    return LaunchPlan(argv=tuple(argv + command), env=env, horovodrun=True, checks=checks)
 
 
 def format_command(plan: LaunchPlan) -> str:
@@ -305,8 +243,20 @@ def format_command(plan: LaunchPlan) -> str:
     return shlex.join([*prefix, *plan.argv])
 
 
-def execute(plan: LaunchPlan) -> int:
-    """Run the plan and return its exit status (130 after Ctrl-C)."""
+def execute(plan: LaunchPlan, *, check_hosts: bool = True) -> int:
+    """Check the hosts, run the plan and return its exit status (130 after Ctrl-C).
+
+    Args:
+        plan: What :func:`build_command` returned.
+        check_hosts: Run ``plan.checks`` first; a failed check returns 2 and
+            starts nothing.
+    """
+    if check_hosts:
+        problems = preflight.run_checks(plan.checks)
+        for problem in problems:
+            print(f"kmp launch: error: {problem}", file=sys.stderr)
+        if problems:
+            return 2
     if plan.horovodrun and shutil.which(plan.argv[0]) is None:
         from kmp._imports import INSTALL_HINTS
 
@@ -368,7 +318,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("-p", "--ssh-port", type=int, metavar="PORT", help="SSH port of the hosts")
     parser.add_argument(
-        "--network-interfaces", metavar="IFACES", help="network interfaces, e.g. eth0,ib0"
+        "--ssh-identity-file", metavar="KEY", help="SSH private key for the other hosts"
+    )
+    parser.add_argument(
+        "--network-interface",
+        "--network-interfaces",
+        dest="network_interfaces",
+        metavar="NIC",
+        help="network interface(s) the ranks talk over, e.g. eth0 (comma-separated for several)",
+    )
+    parser.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="do not check that every host is reachable and has the interface before starting",
     )
     parser.add_argument(
         "--dry-run", action="store_true", help="print the command and exit without running it"
@@ -399,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
             controller=args.controller,
             policy=args.policy,
             ssh_port=args.ssh_port,
+            ssh_identity_file=args.ssh_identity_file,
             network_interfaces=args.network_interfaces,
         )
     except LaunchError as exc:
@@ -412,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(format_command(plan))
         return 0
-    return execute(plan)
+    return execute(plan, check_hosts=not args.no_preflight)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

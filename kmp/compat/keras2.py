@@ -38,7 +38,7 @@ from typing import Any
 from kmp import _checks
 from kmp import loss_scale as _ls
 from kmp._imports import optional_import
-from kmp._legacy_keras import LEGACY_KERAS_ENV_VAR, is_legacy_keras
+from kmp._legacy_keras import LEGACY_KERAS_ENV_VAR, is_legacy_keras, is_tf_keras_object
 from kmp._names import POLICY_NAMES, normalize_compression, normalize_policy
 from kmp.learning_rate import scaled_learning_rate
 
@@ -85,10 +85,9 @@ def keras_module_for(obj: Any = None) -> ModuleType:
         The top-level Keras module.
     """
     if obj is not None:
-        top = type(obj).__module__.split(".", 1)[0]
-        if top == "tf_keras":
+        if is_tf_keras_object(obj):  # its class or a base class comes from tf_keras
             return importlib.import_module("tf_keras")
-        if top == "keras":
+        if type(obj).__module__.split(".", 1)[0] == "keras":
             return importlib.import_module("keras")
     return _default_module()
 
@@ -161,9 +160,15 @@ def _check_optimizer(optimizer: Any, km: ModuleType) -> None:
 
 
 def _tf_keras_rule(loss_scale: Any, knobs: dict[str, Any], km: ModuleType) -> _ls.LossScale:
-    """Resolve the loss-scale setting with kmp's rule; refuse knobs tf-keras cannot honour."""
+    """Resolve the loss-scale setting with kmp's rule; refuse knobs tf-keras cannot honour.
+
+    tf-keras's scale has no upper bound but float32's, so that is the range checked here.
+    """
+    bounded = {**knobs}
+    if not _checks.given(bounded.get("max_scale", NOT_GIVEN)):
+        bounded["max_scale"] = _ls.FLOAT32_MAX
     rule = _ls.from_setting(
-        loss_scale, compute_dtype=km.mixed_precision.global_policy().compute_dtype, **knobs
+        loss_scale, compute_dtype=km.mixed_precision.global_policy().compute_dtype, **bounded
     )
     fixed = [
         f"{k}={knobs[k]!r} (tf-keras uses {v!r})"

@@ -58,9 +58,10 @@ def start(launched: int) -> ModuleType | None:
     return hvd
 
 
-def local_layout(hvd: ModuleType) -> tuple[int, int, int, int]:
-    """Return ``(rank, size, local_rank, local_size)`` as Horovod reports them."""
-    return int(hvd.rank()), int(hvd.size()), int(hvd.local_rank()), int(hvd.local_size())
+def local_layout(hvd: ModuleType) -> tuple[int, int, int, int, int, int]:
+    """Return ``(rank, size, local_rank, local_size, cross_rank, cross_size)`` from Horovod."""
+    calls = (hvd.rank, hvd.size, hvd.local_rank, hvd.local_size, hvd.cross_rank, hvd.cross_size)
+    return tuple(int(f()) for f in calls)  # type: ignore[return-value]
 
 
 def _op(hvd: ModuleType, op: str) -> Any:

@@ -45,6 +45,8 @@ class World:
         local_size: Number of processes on this host.
         horovod: True when Horovod is running the collectives; False for a
             single process started without a launcher.
+        cross_rank: Which host this is, among the hosts (0 on the first).
+        cross_size: Number of hosts.
     """
 
     rank: int
@@ -52,6 +54,8 @@ class World:
     local_rank: int
     local_size: int
     horovod: bool
+    cross_rank: int = 0
+    cross_size: int = 1
 
 
 def _single() -> World:
@@ -98,9 +102,11 @@ def init() -> World:
         _STATE.world = _single()
         _STATE.initialized = True
         return _STATE.world
-    rank_, size_, local_rank_, local_size_ = _horovod.local_layout(hvd)
+    rank_, size_, local_rank_, local_size_, cross_rank_, cross_size_ = _horovod.local_layout(hvd)
     _STATE.hvd = hvd
-    _STATE.world = World(rank_, size_, local_rank_, local_size_, horovod=True)
+    _STATE.world = World(
+        rank_, size_, local_rank_, local_size_, True, cross_rank=cross_rank_, cross_size=cross_size_
+    )
     _STATE.initialized = True
     _configure_local_gpu(local_rank_)
     return _STATE.world

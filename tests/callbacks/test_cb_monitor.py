@@ -251,10 +251,25 @@ def test_a_finite_step_resets_the_stuck_count():
 
     class _Opt:
         loss_scale_rule = _Rule()
-        loss_scale, skipped_steps = 1.0, 0
+        loss_scale, skipped_steps, overflow_streak = 1.0, 0, 0
 
     monitor._optimizer = lambda: _Opt()
-    for skipped, stuck in ((1, 1), (2, 2), (2, 0), (3, 1)):
-        _Opt.skipped_steps = skipped
+    # (skipped so far, the optimizer's overflows in a row) -> stuck steps counted
+    for skipped, streak, stuck in ((1, 1, 1), (2, 2, 2), (2, 0, 0), (3, 1, 1), (5, 1, 1)):
+        _Opt.skipped_steps, _Opt.overflow_streak = skipped, streak
         monitor._update(None, step=True)
-        assert monitor.stuck_steps == stuck
+        assert monitor.stuck_steps == stuck, (skipped, streak)
+
+
+def test_stuck_detection_with_gradient_accumulation():
+    """Micro-batches that end no window neither count nor reset the stuck steps."""
+    monitor = kcb.LossScaleMonitor(verbose=0, on_stuck="stop", patience=2)
+    opt, *_ = always_overflowing_fit(monitor, batches=24, backward_passes_per_step=2)
+    # Windows 1, 2 back off 4 -> 2 -> 1; windows 3 and 4 overflow at the floor: stop.
+    assert monitor.stopped and opt.skipped_steps == 4 and opt.loss_scale == 1.0
+
+
+def test_a_floor_float32_cannot_hold_exactly_is_still_the_floor():
+    monitor = kcb.LossScaleMonitor(verbose=0, on_stuck="stop", patience=2)
+    opt, *_ = always_overflowing_fit(monitor, initial_scale=0.4, min_scale=0.1)
+    assert monitor.stopped and opt.loss_scale == pytest.approx(0.1)

@@ -118,8 +118,8 @@ class DistributedOptimizer(_v1.train.Optimizer):
 
     @property
     def skipped_steps(self) -> Any:
-        """The variable counting the steps skipped because a gradient was not finite."""
-        return self._state().skipped
+        """The variable counting steps skipped for a non-finite gradient (None: no scaling)."""
+        return self._state().skipped if self._rule.scaling else None
 
     def _current_scale(self) -> Any:
         if self._rule.dynamic:

@@ -192,13 +192,13 @@ def session_config(
         isinstance(visible_devices, str) and visible_devices.strip().lower() == "local_rank"
     )
     local_rank = _gpu._current_local_rank() if needs_rank and physical else None
-    shared = local_rank is not None and local_rank >= len(physical)
-    if shared:
-        warnings.warn(
-            _gpu.shared_gpu_message(local_rank, len(physical), local_rank % len(physical)),
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    shared = False
+    if local_rank is not None:  # kmp.gpu's rule for more ranks than GPUs, and its warning
+        plan = _gpu.plan_gpus(physical, visible="local_rank", local_rank=local_rank)
+        shared = plan.shared
+        if shared:
+            message = _gpu.shared_gpu_message(local_rank, len(physical), plan.visible[0])
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
     config = build_session_config(
         allow_growth or (shared and memory_fraction is None),
         memory_fraction,

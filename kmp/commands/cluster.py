@@ -1,0 +1,138 @@
+"""``kmp cluster``: a multi-host cluster on one Linux machine, to try multi-host jobs first.
+
+::
+
+    kmp cluster up --hosts 3 [--slots 2] [--rate 1gbit] [--name kmp]
+    kmp cluster status [--json]
+    kmp cluster exec h1 -- kmp launch -np 3 -H h1:1,h2:1,h3:1 --network-interface eth0 train.py
+    kmp cluster down
+
+Each host ``hI`` is a network namespace with its own ``eth0`` (``10.77.0.I``) on
+one bridge, its own hostname, and its own sshd that accepts only the cluster's
+generated key; ``ssh hI`` works from every host with nothing more to set up.
+All hosts share this machine's file system (so the same ``.venv`` works on
+each) and its cores: a run here proves multi-host correctness and measures
+communication over shaped links, not compute scaling. It needs root.
+
+Every subcommand takes ``--name`` (default ``kmp``). What ``up`` makes is
+recorded under ``/run/kmp-cluster/NAME`` (``$KMP_CLUSTER_STATE_DIR``), and
+``down`` removes exactly that: sshd processes by pid, namespaces, the
+``/etc/hosts`` lines, the ssh client block and the keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kmp.commands import cluster_ops as ops
+from kmp.commands import cluster_plan as cp
+
+__all__ = ["configure", "main", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add ``kmp cluster``'s subcommands to ``parser``."""
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    def named(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument(
+            "--name", default=cp.DEFAULT_NAME, help=f"cluster name (default {cp.DEFAULT_NAME})"
+        )
+        return p
+
+    upp = named(sub.add_parser("up", help="create the hosts h1..hN and their sshd"))
+    upp.add_argument("--hosts", type=int, required=True, metavar="N", help="number of hosts")
+    upp.add_argument("--slots", type=int, default=1, metavar="S", help="processes per host")
+    upp.add_argument("--rate", metavar="RATE", help="shape every link, e.g. 1gbit or 100mbit")
+    named(sub.add_parser("down", help="remove everything `up` made"))
+    st = named(sub.add_parser("status", help="list the hosts"))
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    ex = named(sub.add_parser("exec", help="run a command on a host: exec h1 -- CMD ..."))
+    ex.add_argument("host", help="h1 .. hN")
+    ex.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+
+
+def _print_up(plan: cp.ClusterPlan) -> None:
+    print(f"cluster {plan.name!r} is up: {len(plan.hosts)} host(s)")
+    for h in plan.hosts:
+        print(f"  {h.name}  {h.address}  netns {h.netns}  eth0")
+    if plan.rate:
+        print(f"  links shaped to {plan.rate}")
+    print(f"-H {plan.host_list()}")
+    print("hostfile:\n" + "".join(f"  {line}\n" for line in plan.hostfile_text().splitlines()))
+    print(
+        f"run a command on a host:  kmp cluster exec {plan.hosts[0].name} --name {plan.name} -- "
+        "hostname\n"
+        f"a job across hosts:       kmp cluster exec {plan.hosts[0].name} -- kmp launch "
+        f"-H {plan.host_list()} --network-interface eth0 launch/train.py\n"
+        f"remove it:                kmp cluster down --name {plan.name}"
+    )
+
+
+def _split_exec(name: str, rest: list[str]) -> tuple[str, list[str]]:
+    """``exec HOST [--name N] -- CMD ...``: options before ``--`` are exec's, the rest is CMD."""
+    if "--" not in rest:
+        return name, rest
+    cut = rest.index("--")
+    options, command = rest[:cut], rest[cut + 1 :]
+    while options:
+        if options[0] == "--name" and len(options) > 1:
+            name, options = cp.check_name(options[1]), options[2:]
+        elif options[0].startswith("--name="):
+            name, options = cp.check_name(options[0].split("=", 1)[1]), options[1:]
+        else:
+            raise ops.ClusterError(
+                f"kmp cluster exec does not take {options[0]!r}; put the command after `--`: "
+                "kmp cluster exec h1 [--name NAME] -- CMD ..."
+            )
+    return name, command
+
+
+def run(args: argparse.Namespace) -> int:
+    """Do ``args.action``; print errors as ``kmp cluster: error: ...`` and return 2."""
+    try:
+        cp.check_name(args.name)
+        if args.action == "up":
+            plan = cp.plan_cluster(args.hosts, slots=args.slots, rate=args.rate, name=args.name)
+            ops.up(plan)
+            _print_up(plan)
+            return 0
+        ops.require_environment()
+        if args.action == "down":
+            removed = ops.down(args.name)
+            if not removed:
+                print(f"no cluster {args.name!r} is up; nothing to remove")
+            else:
+                print(f"cluster {args.name!r} removed ({len(removed)} item(s))")
+            return 0
+        if args.action == "status":
+            info = ops.status(args.name)
+            if args.json:
+                print(json.dumps(info, indent=2))
+            elif not info["up"]:
+                print(f"no cluster {args.name!r} is up")
+            else:
+                for h in info["hosts"]:
+                    alive = "sshd up" if h["sshd_alive"] else "sshd DOWN"
+                    print(f"{h['name']}  {h['address']}  netns {h['netns']}  pid {h['sshd_pid']}"
+                          f"  {alive}")  # fmt: skip
+            return 0 if info["up"] else 1
+        name, command = _split_exec(args.name, list(args.command))
+        return ops.exec_on(name, args.host, command)
+    except (cp.ClusterPlanError, ops.ClusterError) as exc:
+        print(f"kmp cluster: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` as ``kmp cluster`` arguments and run."""
+    parser = argparse.ArgumentParser(prog="kmp cluster", description=__doc__.splitlines()[0])
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
