@@ -48,6 +48,7 @@ import dataclasses
 import os
 from typing import Any
 
+from kmp._checks import check_int, is_int
 from kmp._imports import optional_import
 
 __all__ = ["ShardSpec", "available", "load", "open_builder", "shard_spec"]
@@ -134,7 +135,9 @@ def open_builder(
     """
     from kmp import datasets
 
-    if not isinstance(name, str) or not name.strip():
+    if not isinstance(name, str):
+        raise TypeError(f"Data set name must be a string such as 'kmp_digits', got {name!r}.")
+    if not name.strip():
         raise ValueError(f"Data set name must be a non-empty string, got {name!r}.")
     root = datasets.resolve_data_dir(data_dir)
     if name in datasets.BUILDERS:
@@ -204,9 +207,7 @@ def _num_examples(builder: Any, split: str, name: str) -> int:
 
 
 def _check_int(value: Any, what: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}.")
-    return value
+    return check_int(what, value, minimum=minimum)
 
 
 def _world(rank: int | None, size: int | None) -> tuple[int, int]:
@@ -243,12 +244,17 @@ def _compute_dtype(dtype: Any) -> str:
 def _image_hw(image_size: Any) -> tuple[int, int] | None:
     if image_size is None:
         return None
-    hw = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
-    if len(hw) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in hw):
-        raise ValueError(
+    hint = "Pass a positive int or (height, width)."
+    if is_int(image_size):
+        image_size = (image_size, image_size)
+    if not isinstance(image_size, tuple | list):
+        raise TypeError(
             f"image_size must be a positive int or (height, width), got {image_size!r}."
         )
-    return hw  # type: ignore[return-value]
+    if len(image_size) != 2:
+        raise ValueError(f"image_size must be (height, width): two sizes, got {image_size!r}.")
+    h, w = (check_int("image_size", v, minimum=1, hint=hint) for v in image_size)
+    return h, w
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:

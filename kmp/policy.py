@@ -20,6 +20,7 @@ import keras
 from kmp import hardware as _hw
 from kmp._legacy_keras import is_legacy_keras, set_legacy_global_policy
 from kmp._names import VALID_POLICIES, normalize_policy
+from kmp.loss_scale import from_setting
 
 __all__ = [
     "POLICY_ENV_VAR",
@@ -66,7 +67,7 @@ def _choice(policy: keras.DTypePolicy, reason: str) -> PolicyChoice:
         name=policy.name,
         compute_dtype=policy.compute_dtype,
         variable_dtype=policy.variable_dtype,
-        loss_scaling=policy.compute_dtype == "float16",
+        loss_scaling=from_setting("dynamic", compute_dtype=policy.compute_dtype).scaling,
         reason=reason,
     )
 

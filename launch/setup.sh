@@ -85,10 +85,14 @@ system_packages() {
   fi
   local t0=$SECONDS
   log "installing system packages: ${missing[*]}"
-  DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" \
-    >/dev/null
-  log "system packages installed in $((SECONDS - t0)) s"
+  # Optional packages: a failed install is reported and the tests that need them skip.
+  if DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null &&
+     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+       "${missing[@]}" >/dev/null; then
+    log "system packages installed in $((SECONDS - t0)) s"
+  else
+    log "could not install ${missing[*]} (apt-get failed): multi-host and MPI tests will skip"
+  fi
 }
 
 system_packages

@@ -306,6 +306,29 @@ def throughput_callback(images_per_step: int):
     return Throughput()
 
 
+def skip_recorder(kmp):
+    """A callback that lists the steps (0-based, over the run) the optimizer skipped."""
+    import keras
+
+    class SkipRecorder(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.steps: list[int] = []
+            self._seen = 0
+            self._step = 0
+
+        def on_train_begin(self, logs=None):
+            self._seen = int(getattr(self.model.optimizer, "skipped_steps", 0) or 0)
+
+        def on_train_batch_end(self, batch, logs=None):
+            now = int(getattr(self.model.optimizer, "skipped_steps", 0) or 0)
+            if now > self._seen:
+                self.steps.append(self._step)
+            self._seen, self._step = now, self._step + 1
+
+    return SkipRecorder()
+
+
 def inject_overflow(dataset, step: int):
     """Make batch ``step`` of ``dataset`` all inf: its gradients overflow on this rank only."""
     import tensorflow as tf
@@ -395,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     epochs_left = max(args.epochs - initial_epoch, 0)
     history: dict[str, list] = {}
     checkpoints_written: list[str] = []
+    skips = skip_recorder(kmp)
     rate = throughput_callback(args.batch_size * world.size)
     if epochs_left:
         train = kmp.data.load(
@@ -411,6 +435,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         overflow_rank = args.inject_overflow_rank
         if overflow_rank is None:
             overflow_rank = world.size - 1
+        if not 0 <= overflow_rank < world.size:
+            raise SystemExit(
+                f"--inject-overflow-rank {overflow_rank}: this job has ranks 0..{world.size - 1}."
+            )
         if args.inject_overflow is not None and world.rank == overflow_rank:
             train = inject_overflow(train, args.inject_overflow)
             print(f"rank {world.rank}: step {args.inject_overflow} will overflow", flush=True)
@@ -419,7 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             warmup_epochs=(args.warmup_epochs or None) if args.lr_schedule == "constant" else None,
             checkpoint_dir=args.checkpoint_dir,
             keep=args.keep_checkpoints,
-            extra=[rate] + ([stop_after(args.stop_after_epochs)] if args.stop_after_epochs else []),
+            extra=[rate, skips]
+            + ([stop_after(args.stop_after_epochs)] if args.stop_after_epochs else []),
             verbose=1,
         )
         result = model.fit(
@@ -462,6 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loss_scale_start": scale_start,
         "loss_scale_end": scale_end,
         "skipped_steps": skipped,
+        "skipped_at": skips.steps,  # steps of this run (0-based) the optimizer skipped
         "history": history,
         "final_loss": history["loss"][-1] if history.get("loss") else None,
         "test_accuracy": accuracy,

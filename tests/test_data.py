@@ -245,19 +245,36 @@ def test_data_dir_without_the_data_says_how_to_prepare(tmp_path):
     [
         ({"split": "validation"}, r"no split 'validation'.*train, test"),
         ({"batch_size": 2000}, r"not one full batch"),
-        ({"batch_size": 0}, r"batch_size must be an integer >= 1"),
+        ({"batch_size": 0}, r"`batch_size` must be a positive integer; got 0"),
         ({"rank": 2, "size": 2}, r"rank must be in \[0, size\)"),
-        ({"size": 0}, r"size \(number of ranks\) must be"),
+        ({"size": 0}, r"`size \(number of ranks\)` must be"),
         ({"dtype": "int32"}, r"dtype must be a floating dtype"),
-        ({"image_size": (8,)}, r"image_size must be"),
-        ({"seed": -1}, r"seed must be"),
-        ({"epochs": 0}, r"epochs must be"),
+        ({"image_size": (8, 0)}, r"`image_size` must be a positive integer"),
+        ({"image_size": (8,)}, r"image_size must be \(height, width\): two sizes"),
+        ({"seed": -1}, r"`seed` must be an integer >= 0"),
+        ({"epochs": 0}, r"`epochs` must be"),
     ],
 )
 def test_bad_arguments_are_clear_errors(data_dir, kwargs, message):
     args = {"split": "train", "batch_size": 8, "rank": 0, "size": 1, **kwargs}
     with pytest.raises(ValueError, match=message):
         data.load("kmp_digits", data_dir=data_dir, **args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"batch_size": 8.0}, r"`batch_size` must be a positive integer; got 8.0"),
+        ({"image_size": "8"}, r"image_size must be a positive int or \(height, width\)"),
+        ({"rank": "0"}, r"`rank` must be an integer >= 0"),
+    ],
+)
+def test_wrong_types_are_type_errors(data_dir, kwargs, message):
+    args = {"split": "train", "batch_size": 8, "rank": 0, "size": 1, **kwargs}
+    with pytest.raises(TypeError, match=message):
+        data.load("kmp_digits", data_dir=data_dir, **args)
+    with pytest.raises(TypeError, match="Data set name must be a string"):
+        data.load(3, data_dir=data_dir, split="train", batch_size=8)
 
 
 def test_not_an_image_classification_set(tmp_path, monkeypatch):

@@ -102,7 +102,8 @@ def test_build_command_is_an_argument_list(script):
     )
     assert plan.horovodrun
     assert plan.argv == (
-        "hvdrun", "-np", "2", "-H", "localhost:2", "py", str(script), "--lr", "0.1; rm -rf /",
+        "hvdrun", "-np", "2", "-H", "localhost:2", "--gloo", "py", str(script), "--lr",
+        "0.1; rm -rf /",
     )  # fmt: skip
     assert plan.env == {}
 
@@ -132,7 +133,7 @@ def test_single_process_runs_without_horovodrun(script):
         ({"np": -3}, r"-np must be an integer >= 1"),
         ({"np": 3, "hosts": [Host("a", 1), Host("b", 1)]}, r"-np 3 needs 3 slots.*provide 2"),
         ({"np": 2, "controller": "ssh"}, r"controller must be"),
-        ({"np": 2, "policy": "fp8"}, r"'fp8' is not a policy"),
+        ({"np": 2, "policy": "fp8"}, r"--policy: Unknown dtype policy 'fp8'"),
     ],
 )
 def test_build_command_rejects_bad_input(script, kwargs, message):
@@ -151,8 +152,15 @@ def test_missing_script(tmp_path):
 
 def test_dry_run_defaults(capsys, script):
     assert dry_run(capsys, "-np", "4", str(script)) == [
-        HOROVODRUN, "-np", "4", "-H", "localhost:4", sys.executable, str(script),
-    ]  # fmt: skip
+        HOROVODRUN,
+        "-np",
+        "4",
+        "-H",
+        "localhost:4",
+        "--gloo",
+        sys.executable,
+        str(script),
+    ]  # fmt: skip  (Gloo is kmp's default controller, also when Horovod has MPI)
 
 
 def test_dry_run_hosts(capsys, script):
@@ -186,7 +194,7 @@ def test_dry_run_shows_forwarded_kmp_env(capsys, script, monkeypatch):
 
 def test_dry_run_ssh_port_and_interfaces(capsys, script):
     cmd = dry_run(capsys, "-np", "2", "-p", "2222", "--network-interfaces", "eth0", str(script))
-    assert cmd[5:9] == ["-p", "2222", "--network-interfaces", "eth0"]
+    assert cmd[5:10] == ["--gloo", "-p", "2222", "--network-interfaces", "eth0"]
 
 
 def test_dry_run_script_arguments_pass_through(capsys, script):

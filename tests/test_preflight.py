@@ -32,9 +32,10 @@ def test_every_host_is_checked_when_one_is_remote_or_a_nic_is_named():
     assert checks[0].argv is None and checks[0].nics == ("eth0",)  # this host: in process
     argv = checks[1].argv
     assert argv[:5] == ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
-    assert argv[5:9] == ("-p", "2222", "-i", "/k/id") and argv[9] == "node2"
+    assert argv[5:7] == ("-o", "StrictHostKeyChecking=accept-new")
+    assert argv[7:11] == ("-p", "2222", "-i", "/k/id") and argv[11] == "node2"
     # The remote command is one quoted string that runs the job's Python with the NICs.
-    assert argv[10].startswith("/venv/bin/python -c ") and argv[10].endswith(" eth0")
+    assert argv[12].startswith("/venv/bin/python -c ") and argv[12].endswith(" eth0")
     only_local_nic = pf.plan_checks(["localhost"], ["eth0"], python="py")
     assert len(only_local_nic) == 1 and only_local_nic[0].argv is None
 
@@ -137,7 +138,7 @@ def test_failed_checks_start_nothing(script, capsys, monkeypatch):
     plan = launch.build_command(2, script, horovodrun="/bin/false",
                                 network_interfaces="nope0")  # fmt: skip
     ran = []
-    monkeypatch.setattr(launch.subprocess, "run", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(launch, "run_forwarding_signals", lambda *a, **k: ran.append(a))
     assert launch.execute(plan) == 2
     assert ran == []
     assert "kmp launch: error: network interface 'nope0' does not exist on host 'localhost'" in (

@@ -66,29 +66,28 @@ def _print_up(plan: cp.ClusterPlan) -> None:
     print(
         f"run a command on a host:  kmp cluster exec {plan.hosts[0].name} --name {plan.name} -- "
         "hostname\n"
-        f"a job across hosts:       kmp cluster exec {plan.hosts[0].name} -- kmp launch "
-        f"-H {plan.host_list()} --network-interface eth0 launch/train.py\n"
+        f"a job across hosts:       kmp cluster exec {plan.hosts[0].name} --name {plan.name} -- "
+        f"kmp launch -H {plan.host_list()} --network-interface eth0 launch/train.py\n"
         f"remove it:                kmp cluster down --name {plan.name}"
     )
 
 
 def _split_exec(name: str, rest: list[str]) -> tuple[str, list[str]]:
-    """``exec HOST [--name N] -- CMD ...``: options before ``--`` are exec's, the rest is CMD."""
-    if "--" not in rest:
-        return name, rest
-    cut = rest.index("--")
-    options, command = rest[:cut], rest[cut + 1 :]
-    while options:
-        if options[0] == "--name" and len(options) > 1:
-            name, options = cp.check_name(options[1]), options[2:]
-        elif options[0].startswith("--name="):
-            name, options = cp.check_name(options[0].split("=", 1)[1]), options[1:]
+    """``exec HOST [--name N] [--] CMD ...``: leading ``--name`` is exec's, the rest is CMD.
+
+    The command may hold ``--`` itself (``git diff -- path``): only a ``--`` right
+    after exec's own options separates.
+    """
+    while rest:
+        if rest[0] == "--name" and len(rest) > 1:
+            name, rest = cp.check_name(rest[1]), rest[2:]
+        elif rest[0].startswith("--name="):
+            name, rest = cp.check_name(rest[0].split("=", 1)[1]), rest[1:]
         else:
-            raise ops.ClusterError(
-                f"kmp cluster exec does not take {options[0]!r}; put the command after `--`: "
-                "kmp cluster exec h1 [--name NAME] -- CMD ..."
-            )
-    return name, command
+            break
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    return name, rest
 
 
 def run(args: argparse.Namespace) -> int:

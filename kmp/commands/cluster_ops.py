@@ -1,144 +1,45 @@
 """What ``kmp cluster`` does to the machine: namespaces, veths, sshd, files, and undoing them.
 
 :func:`up` realises a :class:`~kmp.commands.cluster_plan.ClusterPlan` step by
-step and records each step in the cluster's ``state.json`` before taking the
-next, so :func:`down` removes exactly what was made, also after a failed
-``up`` (which calls it itself) or a crash, and a second ``down`` is harmless.
-Nothing that was not recorded is touched.
+step and records each step in the cluster's ``state.json``
+(:mod:`kmp.commands.cluster_state`) before taking the next, so :func:`down`
+removes exactly what was made, also after a failed ``up`` (which calls it
+itself) or a crash, and a second ``down`` is harmless. Nothing that was not
+recorded is touched, except leftovers that carry the cluster's own marker.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from kmp.commands import cluster_plan as cp
+from kmp.commands import cluster_state as cs
+from kmp.commands._proc import run_forwarding_signals
+from kmp.commands.cluster_state import (
+    ClusterError,
+    _check_state_dir,
+    _is_our_sshd,
+    _save,
+    _sh,
+    _write_private,
+    host_argv,
+    load,
+    locked,
+    pid_alive,
+    require_environment,
+    running,
+)
 
 __all__ = ["ClusterError", "down", "exec_on", "load", "running", "status", "up"]
 
-SSHD = "/usr/sbin/sshd"
 RUN_SSHD = Path("/run/sshd")  # sshd's privilege-separation directory
-PACKAGES = "openssh-server openssh-client iproute2 iputils-ping"
-_HOSTNAME_THEN_EXEC = 'hostname "$0" && exec "$@"'
-
-
-class ClusterError(RuntimeError):
-    """``kmp cluster`` could not do what was asked; the message says why and what to do."""
-
-
-# ------------------------------------------------------------------ helpers
-
-
-def _sh(*argv: str, timeout: float = 30) -> str:
-    """Run a system command; raise ClusterError with its output when it fails."""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise ClusterError(f"`{' '.join(argv)}` failed: {exc}") from exc
-    if proc.returncode != 0:
-        raise ClusterError(
-            f"`{' '.join(argv)}` failed (exit {proc.returncode}): "
-            f"{(proc.stderr or proc.stdout).strip()}"
-        )
-    return proc.stdout
-
-
-def host_argv(host: cp.HostPlan, argv: list[str]) -> list[str]:
-    """The command that runs ``argv`` on ``host``: in its network namespace, with its hostname."""
-    return [
-        *("ip", "netns", "exec", host.netns, "unshare", "--uts", "sh", "-c"),
-        _HOSTNAME_THEN_EXEC,
-        host.name,
-        *argv,
-    ]
-
-
-def require_environment(*, need_tc: bool = False) -> None:
-    """Check for Linux, root and the tools ``up`` needs, with a message that says what to do."""
-    if not sys.platform.startswith("linux"):
-        raise ClusterError("kmp cluster needs Linux network namespaces; this is " + sys.platform)
-    if os.geteuid() != 0:
-        raise ClusterError(
-            "kmp cluster needs root (it creates network namespaces, starts sshd and edits "
-            "/etc/hosts): run it as root, e.g. `sudo .venv/bin/kmp cluster up --hosts 3`."
-        )
-    tools = {"ip": "iproute2", "unshare": "util-linux", "ssh": "openssh-client"}
-    tools["ssh-keygen"] = "openssh-client"
-    if need_tc:
-        tools["tc"] = "iproute2"
-    missing = sorted({pkg for tool, pkg in tools.items() if shutil.which(tool) is None})
-    if not os.access(SSHD, os.X_OK):
-        missing.append("openssh-server")
-    if missing:
-        raise ClusterError(
-            f"kmp cluster needs {', '.join(sorted(set(missing)))}, which are not installed. "
-            f"Install them with `apt-get update && apt-get install -y {PACKAGES}` (bash "
-            "launch/setup.sh does this when it runs as root), then run kmp cluster up again."
-        )
-
-
-def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, mode)
-
-
-def _pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _is_our_sshd(pid: int, host: cp.HostPlan) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-    return str(host.sshd_config_path) in cmdline
-
-
-# ------------------------------------------------------------------ state
-
-
-def _save(plan: cp.ClusterPlan, state: dict[str, Any]) -> None:
-    _write_private(plan.state_file, json.dumps(state, indent=2))
-
-
-def load(name: str, root: Path | None = None) -> tuple[cp.ClusterPlan, dict[str, Any]] | None:
-    """Return the plan and recorded state of cluster ``name``, or None when it is not up."""
-    name = cp.check_name(name)
-    path = (root or cp.state_root()) / name / "state.json"
-    if not path.is_file():
-        return None
-    state = json.loads(path.read_text())
-    plan = cp.plan_cluster(
-        state["hosts"], slots=state["slots"], rate=state["rate"], name=name, root=root
-    )
-    return plan, state
-
-
-def running(root: Path | None = None) -> list[str]:
-    """The names of the clusters that have state on this machine."""
-    base = root or cp.state_root()
-    if not base.is_dir():
-        return []
-    return sorted(p.name for p in base.iterdir() if (p / "state.json").is_file())
 
 
 # ------------------------------------------------------------------ up
@@ -158,6 +59,11 @@ def _check_free(plan: cp.ClusterPlan, root: Path | None) -> None:
         )
     names = {h.name for h in plan.hosts}
     for line in cp.ETC_HOSTS.read_text().splitlines():
+        if line.rstrip().endswith(plan.marker):
+            raise ClusterError(
+                f"/etc/hosts still has cluster {plan.name!r}'s line {line.strip()!r} (left by a "
+                f"reboot or a crash); run `kmp cluster down --name {plan.name}`, which removes it."
+            )
         fields = line.split("#", 1)[0].split()
         taken = sorted(names & set(fields[1:]))
         if taken:
@@ -188,10 +94,11 @@ def _build_network(plan: cp.ClusterPlan, state: dict[str, Any]) -> None:
     _sh("ip", "-n", sw, "link", "set", "br0", "up")
     for h in plan.hosts:
         _add_netns(plan, state, h.netns)
-        _sh("ip", "link", "add", h.veth_host, "type", "veth", "peer", "name", h.veth_switch)
-        _sh("ip", "link", "set", h.veth_host, "netns", h.netns)
-        _sh("ip", "link", "set", h.veth_switch, "netns", sw)
-        _sh("ip", "-n", h.netns, "link", "set", h.veth_host, "name", "eth0")
+        # Both ends are made inside their namespaces: nothing is left in this one on failure.
+        _sh(
+            *("ip", "-n", h.netns, "link", "add", "eth0", "type", "veth"),
+            *("peer", "name", h.veth_switch, "netns", sw),
+        )
         _sh("ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0")
         _sh("ip", "-n", h.netns, "link", "set", "eth0", "up")
         _sh("ip", "-n", sw, "link", "set", h.veth_switch, "master", "br0")
@@ -210,6 +117,15 @@ def _keygen(path: Path, comment: str) -> str:
     return path.with_name(path.name + ".pub").read_text().strip()
 
 
+def _wait_for_pid(host: cp.HostPlan, timeout_s: float = 10) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return int(host.pid_file.read_text().split()[0])
+        time.sleep(0.05)
+    raise ClusterError(f"sshd of {host.name} did not start (no pid in {host.pid_file}).")
+
+
 def _start_sshd(plan: cp.ClusterPlan, state: dict[str, Any], authorized: Path) -> None:
     if not RUN_SSHD.is_dir():
         RUN_SSHD.mkdir(mode=0o755, parents=True)
@@ -221,13 +137,8 @@ def _start_sshd(plan: cp.ClusterPlan, state: dict[str, Any], authorized: Path) -
         known.append(f"{h.name},{h.address} {' '.join(public.split()[:2])}")
         _write_private(h.sshd_config_path, plan.sshd_config(h, authorized))
         h.pid_file.unlink(missing_ok=True)
-        _sh(*host_argv(h, [SSHD, "-f", str(h.sshd_config_path)]))
-        deadline = time.monotonic() + 10
-        while not h.pid_file.is_file() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not h.pid_file.is_file():
-            raise ClusterError(f"sshd of {h.name} did not start (no {h.pid_file}).")
-        state["sshd"][h.name] = int(h.pid_file.read_text().split()[0])
+        _sh(*host_argv(h, [cs.SSHD, "-f", str(h.sshd_config_path)]))
+        state["sshd"][h.name] = _wait_for_pid(h)
         _save(plan, state)
     _write_private(plan.known_hosts, "\n".join(known) + "\n", 0o644)
 
@@ -236,9 +147,9 @@ def _append_etc_hosts(plan: cp.ClusterPlan, state: dict[str, Any]) -> None:
     state["etc_hosts"] = True
     _save(plan, state)
     text = cp.ETC_HOSTS.read_text()
-    if text and not text.endswith("\n"):
-        text += "\n"
-    cp.ETC_HOSTS.write_text(text + "\n".join(plan.etc_hosts_lines()) + "\n")
+    with open(cp.ETC_HOSTS, "a") as f:  # appended in place: /etc/hosts is often a bind mount
+        f.write("" if not text or text.endswith("\n") else "\n")
+        f.write("\n".join(plan.etc_hosts_lines()) + "\n")
 
 
 def _verify(plan: cp.ClusterPlan) -> None:
@@ -258,7 +169,13 @@ def up(plan: cp.ClusterPlan, root: Path | None = None) -> None:
             failed step (everything made so far is removed first).
     """
     require_environment(need_tc=plan.rate is not None)
+    with locked(root):
+        _up(plan, root)
+
+
+def _up(plan: cp.ClusterPlan, root: Path | None) -> None:
     _check_free(plan, root)
+    _check_state_dir(plan.state_dir)
     plan.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     state: dict[str, Any] = {
         "name": plan.name,
@@ -284,7 +201,7 @@ def up(plan: cp.ClusterPlan, root: Path | None = None) -> None:
         _write_private(plan.ssh_client_config_path, plan.ssh_client_config(), 0o644)
         _verify(plan)
     except BaseException as exc:
-        removed = down(plan.name, root)
+        removed = _down(plan.name, root)
         if isinstance(exc, ClusterError):
             raise ClusterError(f"{exc} (cleaned up: {len(removed)} item(s) removed)") from exc
         raise
@@ -299,35 +216,72 @@ def _remove_marked_lines(path: Path, marker: str) -> bool:
     except FileNotFoundError:
         return False
     lines = text.splitlines(keepends=True)
-    kept = [ln for ln in lines if not ln.rstrip("\n").endswith(marker)]
+    kept = [ln for ln in lines if not ln.rstrip().endswith(marker)]
     if len(kept) == len(lines):
         return False
     path.write_text("".join(kept))
     return True
 
 
+def _kill(pids: list[int], grace_s: float = 5.0) -> list[int]:
+    """SIGTERM ``pids``, then SIGKILL what still runs after ``grace_s``; return those signalled."""
+    hit = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+            hit.append(pid)
+    deadline = time.monotonic() + grace_s
+    while any(pid_alive(p) for p in hit) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in hit:
+        if pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    return hit
+
+
+def _netns_pids(netns: str) -> list[int]:
+    """Every process in network namespace ``netns`` (ssh sessions, horovodrun, ranks...)."""
+    proc = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
+    return [int(p) for p in proc.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+
+
 def down(name: str, root: Path | None = None) -> list[str]:
-    """Remove everything cluster ``name`` made; return what was removed (empty: nothing up)."""
+    """Remove everything cluster ``name`` made; return what was removed (empty: nothing up).
+
+    Without recorded state (after a reboot, say) only the leftovers that carry the
+    cluster's own marker are removed: its ``/etc/hosts`` lines and ssh client block.
+    """
+    name = cp.check_name(name)
+    with locked(root):
+        return _down(name, root)
+
+
+def _down(name: str, root: Path | None) -> list[str]:
     loaded = load(name, root)
     if loaded is None:
-        return []
+        plan = cp.plan_cluster(1, name=name, root=root)
+        removed = []
+        if _remove_marked_lines(cp.ETC_HOSTS, plan.marker):
+            removed.append(f"{cp.ETC_HOSTS} lines")
+        if plan.ssh_client_config_path.exists():
+            plan.ssh_client_config_path.unlink()
+            removed.append(str(plan.ssh_client_config_path))
+        return removed
     plan, state = loaded
     removed: list[str] = []
     for host_name, pid in state.get("sshd", {}).items():
-        host = plan.host(host_name)
-        if _pid_alive(pid) and _is_our_sshd(pid, host):
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 5
-            while _pid_alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if _pid_alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        if pid_alive(pid) and _is_our_sshd(pid, plan.host(host_name)):
+            _kill([pid])
             removed.append(f"sshd {pid} ({host_name})")
     existing = set(_sh("ip", "netns", "list").split()) if shutil.which("ip") else set()
-    for netns in reversed(state.get("netns", [])):
-        if netns in existing:
-            _sh("ip", "netns", "del", netns)
-            removed.append(f"netns {netns}")
+    recorded = [n for n in reversed(state.get("netns", [])) if n in existing]
+    inside = [pid for netns in recorded for pid in _netns_pids(netns)]
+    if inside:  # whatever still runs on the hosts: ssh sessions, jobs, their ranks
+        removed += [f"process {pid}" for pid in _kill(inside)]
+    for netns in recorded:
+        _sh("ip", "netns", "del", netns)
+        removed.append(f"netns {netns}")
     if state.get("etc_hosts") and _remove_marked_lines(cp.ETC_HOSTS, plan.marker):
         removed.append(f"{cp.ETC_HOSTS} lines")
     if state.get("ssh_client_config") and plan.ssh_client_config_path.exists():
@@ -340,8 +294,6 @@ def down(name: str, root: Path | None = None) -> list[str]:
         removed.append(str(RUN_SSHD))
     shutil.rmtree(plan.state_dir, ignore_errors=True)
     removed.append(str(plan.state_dir))
-    with contextlib.suppress(OSError):  # the state root too, once no cluster is left
-        plan.state_dir.parent.rmdir()
     return removed
 
 
@@ -356,10 +308,7 @@ def exec_on(name: str, host: str, argv: list[str], root: Path | None = None) -> 
     if not argv:
         raise ClusterError("give the command after `--`: kmp cluster exec h1 -- hostname")
     target = loaded[0].host(host)
-    try:
-        return subprocess.run(host_argv(target, argv), check=False).returncode
-    except KeyboardInterrupt:
-        return 130
+    return run_forwarding_signals(host_argv(target, argv))
 
 
 def status(name: str, root: Path | None = None) -> dict[str, Any]:
@@ -377,7 +326,7 @@ def status(name: str, root: Path | None = None) -> dict[str, Any]:
                 "address": h.address,
                 "netns": h.netns,
                 "sshd_pid": pid,
-                "sshd_alive": bool(pid) and _pid_alive(pid) and _is_our_sshd(pid, h),
+                "sshd_alive": bool(pid) and pid_alive(pid) and _is_our_sshd(pid, h),
             }
         )
     return {

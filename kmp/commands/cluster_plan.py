@@ -177,8 +177,10 @@ class ClusterPlan:
                 "KbdInteractiveAuthentication no",
                 "PermitRootLogin prohibit-password",
                 "UsePAM no",
-                "StrictModes no",
                 "UseDNS no",
+                "AllowUsers root",
+                "AllowTcpForwarding no",
+                "X11Forwarding no",
                 "LogLevel ERROR",
                 "",
             ]

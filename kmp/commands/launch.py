@@ -36,13 +36,13 @@ import dataclasses
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from kmp._names import VALID_POLICIES, normalize_policy
 from kmp.commands import preflight
+from kmp.commands._proc import run_forwarding_signals
 from kmp.commands.hosts import (
     HOST_RE,
     Host,
@@ -157,7 +157,8 @@ def build_command(
         script: The Python script; it must exist.
         script_args: Arguments passed to the script unchanged.
         hosts: Where to run; ``localhost:np`` when None.
-        controller: ``"gloo"``, ``"mpi"``, or None to let ``horovodrun`` choose.
+        controller: ``"gloo"`` or ``"mpi"``; None means Gloo (kmp's default, the
+            same whether or not Horovod was also built with MPI).
         policy: Dtype policy for every rank (sets ``KMP_POLICY``).
         ssh_port: SSH port of the other hosts.
         ssh_identity_file: SSH private key for the other hosts; it must exist.
@@ -217,8 +218,7 @@ def build_command(
             raise LaunchError(f"--network-interface {nic!r} is not an interface name (e.g. eth0).")
     argv = [horovodrun or _default_horovodrun(), "-np", str(np)]
     argv += ["-H", ",".join(str(h) for h in hosts)]
-    if controller:
-        argv.append(f"--{controller}")
+    argv.append(f"--{controller or 'gloo'}")
     if ssh_port is not None:
         argv += ["-p", str(ssh_port)]
     if ssh_identity_file is not None:
@@ -266,11 +266,7 @@ def execute(plan: LaunchPlan, *, check_hosts: bool = True) -> int:
             file=sys.stderr,
         )
         return 127
-    env = {**os.environ, **plan.env}
-    try:
-        return subprocess.run(list(plan.argv), env=env, check=False).returncode
-    except KeyboardInterrupt:
-        return 130
+    return run_forwarding_signals(plan.argv, {**os.environ, **plan.env})
 
 
 # ------------------------------------------------------- parser / command / main
@@ -301,7 +297,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         dest="controller",
         action="store_const",
         const="gloo",
-        help="use Horovod's Gloo controller",
+        help="use Horovod's Gloo controller (the default)",
     )
     ctl.add_argument(
         "--mpi",

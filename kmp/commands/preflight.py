@@ -86,7 +86,9 @@ def plan_checks(
     nics = tuple(nics)
     if not nics and all(is_local(h, hostname) for h in hosts):
         return ()
+    # Horovod itself does not check host keys; accept-new at least refuses a changed one.
     ssh = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}"]
+    ssh += ["-o", "StrictHostKeyChecking=accept-new"]
     if ssh_port is not None:
         ssh += ["-p", str(ssh_port)]
     if identity_file:
@@ -130,10 +132,13 @@ def _run_one(check: Check, timeout: float) -> str | None:
         return _missing_message(check.host, [n for n in check.nics if n not in have], have)
     detail = (proc.stderr.strip().splitlines() or ["no message"])[-1]
     if proc.returncode == 255:
+        known = (
+            " Its host key changed: fix ~/.ssh/known_hosts." if "host key" in detail.lower() else ""
+        )
         return (
             f"host {check.host!r} cannot be reached by ssh ({detail}). Check that the name "
             "resolves here, that sshd runs there and accepts this host's key "
-            "(--ssh-identity-file, --ssh-port)."
+            f"(--ssh-identity-file, --ssh-port).{known}"
         )
     return (
         f"host {check.host!r} is reachable, but the job's Python ({check.python}) did not run "

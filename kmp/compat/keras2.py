@@ -251,7 +251,13 @@ def wrap_optimizer(
     lso = getattr(getattr(km, "mixed_precision", None), "LossScaleOptimizer", None)
     if lso is not None and isinstance(optimizer, lso):
         # tf-keras lets an optimizer be wrapped by one LossScaleOptimizer only: re-wrap a
-        # copy of the inner one (as Horovod's DistributedOptimizer does anyway).
+        # copy of the inner one (as Horovod's DistributedOptimizer does anyway), keeping its
+        # current scale (within tf-keras's floor of 1) and growth interval unless given.
+        if getattr(optimizer, "dynamic", False) and not _checks.is_real(loss_scale):
+            if not _checks.given(initial_scale):
+                initial_scale = max(1.0, float(optimizer.loss_scale))
+            if not _checks.given(growth_interval):
+                growth_interval = int(optimizer.dynamic_growth_steps)
         inner_opt = optimizer.inner_optimizer
         optimizer = type(inner_opt).from_config(inner_opt.get_config())
     _check_optimizer(optimizer, km)

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,9 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from kmp.commands.cluster_plan import state_root
+
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "kmptest"
-STATE_ROOT = Path("/run/kmp-cluster")
+STATE_ROOT = state_root()
+# Set in the environment of everything a test starts on the cluster, so leftovers are found.
+TAG = "KMP_CLUSTER_TEST_TAG"
 
 
 def unavailable_reason() -> str | None:
@@ -45,15 +50,31 @@ requires_cluster = pytest.mark.skipif(
 
 
 def kmp(*args: str, timeout: float = 120, check: bool = True, env: dict | None = None):
-    """Run ``kmp ARGS`` with this Python; return the CompletedProcess."""
-    proc = subprocess.run(
+    """Run ``kmp ARGS`` with this Python; return the CompletedProcess.
+
+    It runs in a session of its own: on a timeout the whole process group (ssh,
+    horovodrun, ranks) is killed, not only ``kmp``, and the timeout is raised.
+    """
+    child = subprocess.Popen(
         [sys.executable, "-m", "kmp.cli", *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={**os.environ, "PYTHONPATH": str(ROOT), TAG: NAME, **(env or {})},
+        start_new_session=True,
     )
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        out, err = child.communicate()
+        raise AssertionError(
+            f"kmp {' '.join(args)} ran past {timeout} s and was killed\n{out[-3000:]}\n"
+            f"{err[-5000:]}"
+        ) from None
+    proc = subprocess.CompletedProcess(child.args, child.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"kmp {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
@@ -77,7 +98,25 @@ def leftovers(name: str = NAME) -> list[str]:
         found.append(str(STATE_ROOT / name))
     ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     found += [f"process {ln.strip()}" for ln in ps.splitlines() if f"kmp-cluster/{name}/" in ln]
+    found += [f"process {pid} started by a test" for pid in _tagged_pids(name)]
     return found
+
+
+def _tagged_pids(name: str) -> list[int]:
+    """Live processes whose environment carries the test tag (jobs, ranks, their children)."""
+    needle = f"{TAG}={name}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                stat = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+                if stat not in ("Z", "X"):
+                    pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
 
 
 def status(name: str = NAME) -> dict:
@@ -103,7 +142,7 @@ def cluster(hosts: int, *, slots: int = 1, rate: str | None = None) -> Iterator[
 
 
 def on_host(
-    host: str, *argv: str, timeout: float = 600, env: dict | None = None
+    host: str, *argv: str, timeout: float = 240, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``argv`` on ``host`` of the test cluster (``kmp cluster exec``); never raises."""
     return kmp("cluster", "exec", "--name", NAME, host, "--", *argv, timeout=timeout,

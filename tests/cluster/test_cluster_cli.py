@@ -9,11 +9,21 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _cluster_harness import NAME, cluster, kmp, leftovers, on_host, requires_cluster, status
+from _cluster_harness import (
+    NAME,
+    ROOT,
+    cluster,
+    kmp,
+    leftovers,
+    on_host,
+    requires_cluster,
+    status,
+)
 
 from kmp.commands import cluster as cli
 from kmp.commands import cluster_ops as ops
 from kmp.commands import cluster_plan as cp
+from kmp.commands import cluster_state as cs
 
 # ------------------------------------------------------------------ the plan (pure)
 
@@ -105,7 +115,7 @@ def test_without_root_every_action_says_so(monkeypatch, capsys):
 
 def test_missing_tools_name_the_install_command(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    monkeypatch.setattr(ops, "SSHD", "/nonexistent/sshd")
+    monkeypatch.setattr(cs, "SSHD", "/nonexistent/sshd")
     assert cli.main(["up", "--hosts", "2"]) == 2
     err = capsys.readouterr().err
     assert "openssh-server" in err and "apt-get install -y" in err and "launch/setup.sh" in err
@@ -117,8 +127,11 @@ def test_exec_options_before_the_separator():
         ["hostname", "-f"],
     )
     assert cli._split_exec("kmp", ["hostname"]) == ("kmp", ["hostname"])
-    with pytest.raises(ops.ClusterError, match="does not take '--verbose'"):
-        cli._split_exec("kmp", ["--verbose", "--", "true"])
+    # The command's own `--` stays (argparse already took exec's): `ls -- -f`, `git diff -- x`.
+    assert cli._split_exec("kmp", ["ls", "--", "-f"]) == ("kmp", ["ls", "--", "-f"])
+    assert cli._split_exec("kmp", ["--name=x", "--", "a", "--", "b"]) == ("x", ["a", "--", "b"])
+    with pytest.raises(cp.ClusterPlanError, match="--name 'X'"):
+        cli._split_exec("kmp", ["--name", "X", "--", "true"])
 
 
 @requires_cluster
@@ -160,7 +173,9 @@ def test_up_status_exec_down():
         hop = on_host("h1", "ssh", "h3", "hostname", env={"KMP_PROBE": "seen"})
         assert hop.returncode == 0 and hop.stdout.strip() == "h3", hop.stderr
         here = on_host("h2", "sh", "-c", 'pwd; echo "$KMP_PROBE"', env={"KMP_PROBE": "seen"})
-        assert here.stdout.split() == [str(Path.cwd().resolve()), "seen"]
+        dashes = on_host("h1", "sh", "-c", 'echo "$@"', "sh", "--", "-f")  # its own `--` kept
+        assert dashes.returncode == 0 and dashes.stdout.strip() == "-- -f", dashes.stderr
+        assert here.stdout.split() == [str(ROOT), "seen"]  # the harness runs kmp in ROOT
         # Only the cluster's key gets in: a fresh key is refused, and passwords are off.
         key = Path(info["state_dir"]).parent / "probe-key"
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)

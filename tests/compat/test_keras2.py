@@ -315,3 +315,13 @@ def test_tf_keras_ranks_stay_identical_in_float32_and_mixed_float16():
     assert f16["inner"] == ["horovod._keras", "SGD"]
     # Rank 1 alone overflowed float16 on one batch: both ranks skipped it, halving 1024.
     assert r0["mixed_float16"]["loss_scale"] == r1["mixed_float16"]["loss_scale"] == 512.0
+
+
+def test_rewrapping_keeps_a_tf_keras_scale_and_interval(one_process):
+    keras2.set_global_policy("mixed_float16", keras_module=tf_keras)
+    lso = tf_keras.mixed_precision.LossScaleOptimizer(
+        tf_keras.optimizers.SGD(), initial_scale=512, dynamic_growth_steps=9
+    )
+    opt = keras2.wrap_optimizer(lso)
+    assert float(opt.initial_scale) == 512.0 and opt.dynamic_growth_steps == 9
+    assert keras2.wrap_optimizer(lso, growth_interval=3).dynamic_growth_steps == 3

@@ -1,0 +1,57 @@
+"""Running a child command the way a launcher must: signals passed on, never cut short.
+
+``subprocess.run`` answers Ctrl-C by killing the child a quarter of a second
+later, which cuts off ``horovodrun``'s own clean-up of remote ranks, and it does
+not pass SIGTERM on at all. :func:`run_forwarding_signals` sends SIGINT and
+SIGTERM on to the child and waits for it to finish, killing it only if it
+outlives a grace period.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from types import FrameType
+
+__all__ = ["run_forwarding_signals"]
+
+GRACE_S = 30.0
+
+
+def run_forwarding_signals(
+    argv: Sequence[str], env: Mapping[str, str] | None = None, *, grace_s: float = GRACE_S
+) -> int:
+    """Run ``argv``; forward SIGINT/SIGTERM to it; return its exit status (130 after Ctrl-C).
+
+    Args:
+        argv: The command.
+        env: Its environment (default: this process's).
+        grace_s: How long the child may take to exit after a forwarded signal
+            before it is killed.
+
+    Returns:
+        The child's exit status; 130 when it was interrupted and died of it.
+    """
+    child = subprocess.Popen(list(argv), env=None if env is None else dict(env))
+    received: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                code = child.wait(timeout=grace_s if received else None)
+                break
+            except subprocess.TimeoutExpired:  # it ignored the signal for too long
+                child.kill()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if received and code < 0:
+        return 130 if received[-1] == signal.SIGINT else 128 + signal.SIGTERM
+    return code
