@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from types import ModuleType
 from typing import Any
 
 from kmp._imports import optional_import
@@ -49,14 +50,15 @@ def is_tf_keras_object(obj: Any) -> bool:
     return any((c.__module__ or "").startswith("tf_keras") for c in type(obj).__mro__)
 
 
-def set_legacy_global_policy(name: str) -> Any:
-    """Set tf-keras's global dtype policy to the concrete policy ``name``.
+def set_legacy_global_policy(name: str, keras_module: ModuleType | None = None) -> Any:
+    """Set tf-keras's (or ``keras_module``'s) global dtype policy to the policy ``name``.
 
     Args:
         name: A policy name; ``"auto"`` must be resolved first.
+        keras_module: The Keras module to set it on; None means ``tf_keras``.
 
     Returns:
-        tf-keras's global policy after the change.
+        That module's global policy after the change.
 
     Raises:
         TypeError: ``name`` is not a string.
@@ -64,6 +66,8 @@ def set_legacy_global_policy(name: str) -> Any:
         ImportError: tf-keras is not installed.
     """
     key = normalize_policy(name, allow_auto=False)
-    tf_keras = optional_import("tf_keras", feature="the tf-keras (Keras 2) path")
-    tf_keras.mixed_precision.set_global_policy(key)
-    return tf_keras.mixed_precision.global_policy()
+    km = keras_module
+    if km is None:
+        km = optional_import("tf_keras", feature="the tf-keras (Keras 2) path")
+    km.mixed_precision.set_global_policy(key)
+    return km.mixed_precision.global_policy()

@@ -191,10 +191,16 @@ class LossScaleMonitor(keras.callbacks.Callback):
         of an accumulation window.
         """
         floor = _min_scale(scaler)
-        streak = getattr(scaler, "overflow_streak", None)
-        if floor is None or streak is None:
+        if floor is None:
             return
-        if streak == 0 or not (_at_floor(self._last_scale, floor) and _at_floor(scale, floor)):
+        at_floor = _at_floor(self._last_scale, floor) and _at_floor(scale, floor)
+        # The streak costs a read of the optimizer: only while a stuck run can be going on.
+        streak = (
+            getattr(scaler, "overflow_streak", 0)
+            if at_floor and (new_skips > 0 or self.stuck_steps > 0)
+            else 0
+        )
+        if not streak:
             self.stuck_steps = 0
             self._reported = False
             return

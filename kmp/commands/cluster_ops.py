@@ -24,17 +24,17 @@ from kmp.commands import cluster_state as cs
 from kmp.commands._proc import run_forwarding_signals
 from kmp.commands.cluster_state import (
     ClusterError,
-    _check_state_dir,
-    _is_our_sshd,
-    _save,
-    _sh,
-    _write_private,
+    check_state_dir,
     host_argv,
+    is_our_sshd,
     load,
     locked,
     pid_alive,
     require_environment,
+    run_cmd,
     running,
+    save_state,
+    write_private,
 )
 
 __all__ = ["ClusterError", "down", "exec_on", "load", "running", "status", "up"]
@@ -71,7 +71,7 @@ def _check_free(plan: cp.ClusterPlan, root: Path | None) -> None:
                 f"/etc/hosts already names {taken[0]} ({line.strip()!r}); a cluster host would "
                 "clash with it. Remove that line, or use fewer hosts."
             )
-    existing = set(_sh("ip", "netns", "list").split())
+    existing = set(run_cmd("ip", "netns", "list").split())
     clash = sorted(n for n in [plan.switch_netns, *(h.netns for h in plan.hosts)] if n in existing)
     if clash:
         raise ClusterError(
@@ -81,38 +81,38 @@ def _check_free(plan: cp.ClusterPlan, root: Path | None) -> None:
 
 
 def _add_netns(plan: cp.ClusterPlan, state: dict[str, Any], netns: str) -> None:
-    _sh("ip", "netns", "add", netns)
+    run_cmd("ip", "netns", "add", netns)
     state["netns"].append(netns)
-    _save(plan, state)
-    _sh("ip", "-n", netns, "link", "set", "lo", "up")
+    save_state(plan, state)
+    run_cmd("ip", "-n", netns, "link", "set", "lo", "up")
 
 
 def _build_network(plan: cp.ClusterPlan, state: dict[str, Any]) -> None:
     sw = plan.switch_netns
     _add_netns(plan, state, sw)
-    _sh("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
-    _sh("ip", "-n", sw, "link", "set", "br0", "up")
+    run_cmd("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
+    run_cmd("ip", "-n", sw, "link", "set", "br0", "up")
     for h in plan.hosts:
         _add_netns(plan, state, h.netns)
         # Both ends are made inside their namespaces: nothing is left in this one on failure.
-        _sh(
+        run_cmd(
             *("ip", "-n", h.netns, "link", "add", "eth0", "type", "veth"),
             *("peer", "name", h.veth_switch, "netns", sw),
         )
-        _sh("ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0")
-        _sh("ip", "-n", h.netns, "link", "set", "eth0", "up")
-        _sh("ip", "-n", sw, "link", "set", h.veth_switch, "master", "br0")
-        _sh("ip", "-n", sw, "link", "set", h.veth_switch, "up")
+        run_cmd("ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0")
+        run_cmd("ip", "-n", h.netns, "link", "set", "eth0", "up")
+        run_cmd("ip", "-n", sw, "link", "set", h.veth_switch, "master", "br0")
+        run_cmd("ip", "-n", sw, "link", "set", h.veth_switch, "up")
         tc = plan.tc_args()
         if tc:
-            _sh("ip", "netns", "exec", h.netns, "tc", *tc)
+            run_cmd("ip", "netns", "exec", h.netns, "tc", *tc)
 
 
 def _keygen(path: Path, comment: str) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     for p in (path, path.with_name(path.name + ".pub")):
         p.unlink(missing_ok=True)
-    _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path))
+    run_cmd("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path))
     os.chmod(path, 0o600)
     return path.with_name(path.name + ".pub").read_text().strip()
 
@@ -130,22 +130,22 @@ def _start_sshd(plan: cp.ClusterPlan, state: dict[str, Any], authorized: Path) -
     if not RUN_SSHD.is_dir():
         RUN_SSHD.mkdir(mode=0o755, parents=True)
         state["made_run_sshd"] = True
-        _save(plan, state)
+        save_state(plan, state)
     known = []
     for h in plan.hosts:
         public = _keygen(h.host_key, f"kmp-cluster-{plan.name}-{h.name}")
         known.append(f"{h.name},{h.address} {' '.join(public.split()[:2])}")
-        _write_private(h.sshd_config_path, plan.sshd_config(h, authorized))
+        write_private(h.sshd_config_path, plan.sshd_config(h, authorized))
         h.pid_file.unlink(missing_ok=True)
-        _sh(*host_argv(h, [cs.SSHD, "-f", str(h.sshd_config_path)]))
+        run_cmd(*host_argv(h, [cs.SSHD, "-f", str(h.sshd_config_path)]))
         state["sshd"][h.name] = _wait_for_pid(h)
-        _save(plan, state)
-    _write_private(plan.known_hosts, "\n".join(known) + "\n", 0o644)
+        save_state(plan, state)
+    write_private(plan.known_hosts, "\n".join(known) + "\n", 0o644)
 
 
 def _append_etc_hosts(plan: cp.ClusterPlan, state: dict[str, Any]) -> None:
     state["etc_hosts"] = True
-    _save(plan, state)
+    save_state(plan, state)
     text = cp.ETC_HOSTS.read_text()
     with open(cp.ETC_HOSTS, "a") as f:  # appended in place: /etc/hosts is often a bind mount
         f.write("" if not text or text.endswith("\n") else "\n")
@@ -156,7 +156,7 @@ def _verify(plan: cp.ClusterPlan) -> None:
     """From h1, ``ssh hI hostname`` must answer ``hI`` for every host."""
     first = plan.hosts[0]
     for h in plan.hosts:
-        out = _sh(*host_argv(first, ["ssh", h.name, "hostname"]), timeout=30).strip()
+        out = run_cmd(*host_argv(first, ["ssh", h.name, "hostname"]), timeout=30).strip()
         if out != h.name:
             raise ClusterError(f"ssh {h.name} from {first.name} answered {out!r}, not {h.name!r}.")
 
@@ -175,7 +175,7 @@ def up(plan: cp.ClusterPlan, root: Path | None = None) -> None:
 
 def _up(plan: cp.ClusterPlan, root: Path | None) -> None:
     _check_free(plan, root)
-    _check_state_dir(plan.state_dir)
+    check_state_dir(plan.state_dir)
     plan.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     state: dict[str, Any] = {
         "name": plan.name,
@@ -188,17 +188,17 @@ def _up(plan: cp.ClusterPlan, root: Path | None) -> None:
         "ssh_client_config": False,
         "made_run_sshd": False,
     }
-    _save(plan, state)
+    save_state(plan, state)
     try:
         _build_network(plan, state)
         public = _keygen(plan.client_key, f"kmp-cluster-{plan.name}")
         authorized = plan.state_dir / "authorized_keys"
-        _write_private(authorized, public + "\n")
+        write_private(authorized, public + "\n")
         _start_sshd(plan, state, authorized)
         _append_etc_hosts(plan, state)
         state["ssh_client_config"] = True
-        _save(plan, state)
-        _write_private(plan.ssh_client_config_path, plan.ssh_client_config(), 0o644)
+        save_state(plan, state)
+        write_private(plan.ssh_client_config_path, plan.ssh_client_config(), 0o644)
         _verify(plan)
     except BaseException as exc:
         removed = _down(plan.name, root)
@@ -271,16 +271,16 @@ def _down(name: str, root: Path | None) -> list[str]:
     plan, state = loaded
     removed: list[str] = []
     for host_name, pid in state.get("sshd", {}).items():
-        if pid_alive(pid) and _is_our_sshd(pid, plan.host(host_name)):
+        if pid_alive(pid) and is_our_sshd(pid, plan.host(host_name)):
             _kill([pid])
             removed.append(f"sshd {pid} ({host_name})")
-    existing = set(_sh("ip", "netns", "list").split()) if shutil.which("ip") else set()
+    existing = set(run_cmd("ip", "netns", "list").split()) if shutil.which("ip") else set()
     recorded = [n for n in reversed(state.get("netns", [])) if n in existing]
     inside = [pid for netns in recorded for pid in _netns_pids(netns)]
     if inside:  # whatever still runs on the hosts: ssh sessions, jobs, their ranks
         removed += [f"process {pid}" for pid in _kill(inside)]
     for netns in recorded:
-        _sh("ip", "netns", "del", netns)
+        run_cmd("ip", "netns", "del", netns)
         removed.append(f"netns {netns}")
     if state.get("etc_hosts") and _remove_marked_lines(cp.ETC_HOSTS, plan.marker):
         removed.append(f"{cp.ETC_HOSTS} lines")
@@ -326,7 +326,7 @@ def status(name: str, root: Path | None = None) -> dict[str, Any]:
                 "address": h.address,
                 "netns": h.netns,
                 "sshd_pid": pid,
-                "sshd_alive": bool(pid) and pid_alive(pid) and _is_our_sshd(pid, h),
+                "sshd_alive": bool(pid) and pid_alive(pid) and is_our_sshd(pid, h),
             }
         )
     return {

@@ -21,12 +21,17 @@ from kmp.commands import cluster_plan as cp
 
 __all__ = [
     "ClusterError",
+    "check_state_dir",
     "host_argv",
+    "is_our_sshd",
     "load",
     "locked",
     "pid_alive",
     "require_environment",
+    "run_cmd",
     "running",
+    "save_state",
+    "write_private",
 ]
 
 SSHD = "/usr/sbin/sshd"
@@ -41,7 +46,7 @@ class ClusterError(RuntimeError):
 # ------------------------------------------------------------------ helpers
 
 
-def _sh(*argv: str, timeout: float = 30) -> str:
+def run_cmd(*argv: str, timeout: float = 30) -> str:
     """Run a system command; raise ClusterError with its output when it fails."""
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
@@ -89,7 +94,7 @@ def require_environment(*, need_tc: bool = False) -> None:
         )
 
 
-def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
+def write_private(path: Path, text: str, mode: int = 0o600) -> None:
     """Write ``path`` atomically (a new file, then rename), never through a symlink."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -114,7 +119,8 @@ def pid_alive(pid: int | None) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
-def _is_our_sshd(pid: int, host: cp.HostPlan) -> bool:
+def is_our_sshd(pid: int, host: cp.HostPlan) -> bool:
+    """True when ``pid`` is the sshd that ``up`` started for ``host`` (by its config path)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
@@ -125,8 +131,9 @@ def _is_our_sshd(pid: int, host: cp.HostPlan) -> bool:
 # ------------------------------------------------------------------ state
 
 
-def _save(plan: cp.ClusterPlan, state: dict[str, Any]) -> None:
-    _write_private(plan.state_file, json.dumps(state, indent=2))
+def save_state(plan: cp.ClusterPlan, state: dict[str, Any]) -> None:
+    """Record ``state`` in the cluster's ``state.json`` (atomically)."""
+    write_private(plan.state_file, json.dumps(state, indent=2))
 
 
 def load(name: str, root: Path | None = None) -> tuple[cp.ClusterPlan, dict[str, Any]] | None:
@@ -170,7 +177,7 @@ def locked(root: Path | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _check_state_dir(path: Path) -> None:
+def check_state_dir(path: Path) -> None:
     """The state folder must be root's own and private: sshd trusts the keys in it."""
     if path.is_symlink():
         raise ClusterError(f"{path} is a symlink; remove it (kmp cluster keeps keys there).")

@@ -38,8 +38,13 @@ from typing import Any
 from kmp import _checks
 from kmp import loss_scale as _ls
 from kmp._imports import optional_import
-from kmp._legacy_keras import LEGACY_KERAS_ENV_VAR, is_legacy_keras, is_tf_keras_object
-from kmp._names import POLICY_NAMES, normalize_compression, normalize_policy
+from kmp._legacy_keras import (
+    LEGACY_KERAS_ENV_VAR,
+    is_legacy_keras,
+    is_tf_keras_object,
+    set_legacy_global_policy,
+)
+from kmp._names import POLICY_NAMES, normalize_compression
 from kmp.learning_rate import scaled_learning_rate
 
 __all__ = [
@@ -112,10 +117,8 @@ def set_global_policy(name: str, keras_module: ModuleType | None = None) -> Any:
         TypeError: ``name`` is not a string.
         ValueError: ``name`` is not a known policy name.
     """
-    key = normalize_policy(name, allow_auto=False)
     km = keras_module if keras_module is not None else _default_module()
-    km.mixed_precision.set_global_policy(key)
-    return km.mixed_precision.global_policy()
+    return set_legacy_global_policy(name, km)
 
 
 def _check_compression(compression: Any) -> Any:
