@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "data": "kmp.data",
     "datasets": "kmp.datasets",
     "distributed": "kmp.distributed",
+    "elastic": "kmp.elastic",
     "hardware": "kmp.hardware",
     "layers": "kmp.layers",
     "loss_scale": "kmp.loss_scale",

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 __all__ = [
     "LAUNCH_SIZE_VARS",
     "LOCAL_RANK_VARS",
+    "launched_elastic",
     "launched_world_size",
     "launcher_local_rank",
 ]
@@ -104,6 +105,20 @@ def launched_world_size(environ: Mapping[str, str] | None = None) -> int | None:
         meaning="a world size",
         hint="unset it, or start the job with horovodrun or mpirun, which set it.",
     )
+
+
+def launched_elastic(environ: Mapping[str, str] | None = None) -> bool:
+    """Return True when ``horovodrun --min-np/--max-np`` started this process (elastic).
+
+    An elastic job's world can shrink to one process and grow again, so Horovod
+    must run even when the announced size is 1. ``horovodrun`` marks elastic
+    workers with ``HOROVOD_ELASTIC=1``.
+
+    Args:
+        environ: Environment to read (default ``os.environ``).
+    """
+    env = os.environ if environ is None else environ
+    return env.get("HOROVOD_ELASTIC", "") == "1"
 
 
 def launcher_local_rank(environ: Mapping[str, str] | None = None) -> int | None:

@@ -24,7 +24,7 @@ from keras import ops
 
 from kmp import _checks
 
-__all__ = ["ScaledLearningRate", "scaled_learning_rate"]
+__all__ = ["ScaledLearningRate", "rescale_learning_rate", "scaled_learning_rate"]
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -104,3 +104,39 @@ def scaled_learning_rate(
         return float(np.asarray(lr)) * factor  # a variable or an eager tensor
     except (TypeError, ValueError, NotImplementedError):
         return lr * factor  # a graph tensor
+
+
+def rescale_learning_rate(optimizer: Any, old_factor: float, new_factor: float) -> None:
+    """Change a rate scaled by ``old_factor`` to one scaled by ``new_factor``, in place.
+
+    For an elastic job whose rank count changed: a rate that ``scale_lr``
+    multiplied by the old count is moved to the new count. A variable rate is
+    assigned ``rate / old * new``; a schedule gets the factor ``new / old``
+    (a :class:`ScaledLearningRate` has its factor changed, another schedule is
+    wrapped in one); re-trace the train function for a schedule's new factor to
+    take effect.
+
+    Args:
+        optimizer: The Keras 3 optimizer whose ``learning_rate`` was scaled (the
+            inner one of a loss-scale wrapper).
+        old_factor: The factor the rate carries now.
+        new_factor: The factor it should carry.
+
+    Raises:
+        ValueError: The rate is a callable, which keeps its factor inside it.
+    """
+    old_factor = _checks.check_number("old_factor", old_factor, above=0)
+    new_factor = _checks.check_number("new_factor", new_factor, above=0)
+    lr = optimizer._learning_rate
+    if isinstance(lr, ScaledLearningRate):
+        lr.factor = lr.factor / old_factor * new_factor
+    elif isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
+        optimizer.learning_rate = ScaledLearningRate(lr, new_factor / old_factor)
+    elif isinstance(lr, keras.Variable):
+        lr.assign(float(np.asarray(lr.value)) / old_factor * new_factor)
+    else:
+        raise ValueError(
+            f"Cannot re-scale a learning rate of type {type(lr).__name__} to {new_factor:g} "
+            "ranks: pass a number or a keras.optimizers.schedules.LearningRateSchedule as the "
+            "learning rate."
+        )

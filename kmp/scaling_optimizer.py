@@ -25,6 +25,7 @@ from keras import ops
 from kmp import distributed
 from kmp import loss_scale as _ls
 from kmp._names import normalize_compression
+from kmp.learning_rate import rescale_learning_rate
 
 __all__ = ["DistributedLossScaleOptimizer"]
 
@@ -154,6 +155,20 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "backward_passes_per_step": self.backward_passes_per_step,
             "scale_lr": self.scale_lr,
         }
+
+    def rescale_learning_rate(self, factor: float) -> None:
+        """Scale the learning rate by ``factor`` instead of :attr:`lr_scale` (elastic resize).
+
+        Only a rate that ``scale_lr=True`` scaled changes; the train function
+        must be traced again for a schedule's new factor to take effect.
+
+        Args:
+            factor: The new factor: the new number of ranks.
+        """
+        if not self.scale_lr or float(factor) == self.lr_scale:
+            return
+        rescale_learning_rate(self.inner_optimizer, self.lr_scale, factor)
+        self.lr_scale = float(factor)
 
     # -------------------------------------------------------------------- build
 

@@ -125,6 +125,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the rank whose batch overflows (default: the last rank)",
     )
     p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="elastic training (run with `kmp launch --elastic`): go on when a worker dies or "
+        "joins, from the last commit, each epoch's examples re-dealt to the ranks left",
+    )
+    p.add_argument(
+        "--commit-every",
+        type=int,
+        default=10,
+        metavar="N",
+        help="with --elastic: commit the state every N batches (and at every epoch end)",
+    )
+    p.add_argument(
         "--verbose",
         default="auto",
         help="Keras fit verbosity on rank 0 (auto: progress bar on a terminal, else a line "
@@ -157,6 +170,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--warmup-epochs must be >= 0")
     if args.inject_overflow is not None and args.inject_overflow < 0:
         p.error("--inject-overflow must be a step >= 0")
+    if args.commit_every < 1:
+        p.error("--commit-every must be >= 1")
+    if args.elastic and (args.steps_per_epoch is not None or args.stop_after_epochs is not None):
+        p.error(
+            "--elastic trains on whole epochs (the rank count may change mid-epoch): drop "
+            "--steps-per-epoch and --stop-after-epochs"
+        )
     return args
 
 
@@ -329,6 +349,32 @@ def skip_recorder(kmp):
     return SkipRecorder()
 
 
+def elastic_data(args, kmp, compute_dtype: str, overflow_rank: int | None):
+    """The split in memory, dealt to the ranks epoch by epoch (``--elastic``).
+
+    ``--inject-overflow STEP`` poisons step STEP of the first epoch's first plan
+    on the overflow rank of the world that starts the job.
+    """
+
+    def transform(ds, plan):
+        fresh = plan.epoch == 0 and plan.start == 0
+        if args.inject_overflow is not None and fresh and plan.rank == overflow_rank:
+            print(f"rank {plan.rank}: step {args.inject_overflow} will overflow", flush=True)
+            return inject_overflow(ds, args.inject_overflow)
+        return ds
+
+    return kmp.elastic.ElasticData.from_tfds(
+        args.dataset,
+        "train",
+        batch_size=args.batch_size,
+        data_dir=args.data_dir,
+        image_size=args.image_size,
+        dtype=compute_dtype,
+        seed=args.seed,
+        transform=transform,
+    )
+
+
 def inject_overflow(dataset, step: int):
     """Make batch ``step`` of ``dataset`` all inf: its gradients overflow on this rank only."""
     import tensorflow as tf
@@ -391,9 +437,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Resume from the newest checkpoint, if there is one (rank 0 decides for all).
     found = (None, 0)
-    if args.checkpoint_dir and world.rank == 0:
+    if args.checkpoint_dir and (world.rank == 0 or args.elastic):
         found = tuple(kmp.callbacks.latest_checkpoint(args.checkpoint_dir))
-    path, initial_epoch = kmp.distributed.broadcast_object(found, root=0)
+    if args.elastic:
+        # No collective before the elastic run: a worker that joins a running job would meet
+        # the others' state sync. Every rank looks itself; the sync then gives rank 0's state.
+        path, initial_epoch = found
+    else:
+        path, initial_epoch = kmp.distributed.broadcast_object(found, root=0)
     if path and os.path.exists(path):
         model = kmp.load_model(path)  # registers kmp's layer and optimizer classes first
         log(f"resumed from {path}: epoch {initial_epoch}, loss scale {loss_scale_of(model)[0]}")
@@ -403,7 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.compile(
             optimizer=make_optimizer(args, kmp, steps, world.size),
             loss="sparse_categorical_crossentropy",
-            metrics=["accuracy"],
+            # Elastic batches may end in empty slots of weight 0: weighted metrics skip them.
+            **{"weighted_metrics" if args.elastic else "metrics": ["accuracy"]},
             jit_compile=False,
         )
         if path:
@@ -420,7 +472,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     checkpoints_written: list[str] = []
     skips = skip_recorder(kmp)
     rate = throughput_callback(args.batch_size * world.size)
-    if epochs_left:
+    elastic: dict = {}
+    final_epoch = initial_epoch
+    if epochs_left and args.elastic:
+        overflow_rank = args.inject_overflow_rank
+        if overflow_rank is None:
+            overflow_rank = world.size - 1
+        state = kmp.elastic.KerasState(model, epoch=initial_epoch)
+        callbacks = kmp.callbacks.default_callbacks(
+            broadcast=False,  # the elastic state syncs from rank 0 at the start and after resets
+            warmup_epochs=(args.warmup_epochs or None) if args.lr_schedule == "constant" else None,
+            checkpoint_dir=args.checkpoint_dir,
+            keep=args.keep_checkpoints,
+            extra=[rate, skips],
+            verbose=1,
+        )
+        data = elastic_data(args, kmp, choice.compute_dtype, overflow_rank)
+        kmp.elastic.fit(
+            state,
+            data,
+            epochs=args.epochs,
+            commit_every=args.commit_every,
+            callbacks=callbacks,
+            record_examples=True,
+            verbose=args.verbose,
+        )
+        world = kmp.distributed.world()  # the world that finished, not the one that started
+        keys = state.history[-1] if state.history else {}
+        runs = state.history  # this run's epochs (the state starts empty)
+        history = {k: [h[k] for h in runs if k in h] for k in keys}
+        saved = [cb.saved for cb in callbacks if isinstance(cb, kmp.callbacks.AtomicCheckpoint)]
+        checkpoints_written = saved[0] if saved else []
+        final_epoch = state.epoch  # a rank that joined got the run's position in the sync
+        elastic = {
+            "events": state.events,
+            "commits": state.commits,
+            "resets": state.resets,
+            "examples": {str(e): ids for e, ids in state.examples.items()},
+            "num_examples": data.num_examples,
+        }
+    elif epochs_left:
         train = kmp.data.load(
             args.dataset,
             "train",
@@ -461,6 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             verbose=kmp.callbacks.verbosity(args.verbose),
         )
         history = {k: [float(v) for v in vals] for k, vals in result.history.items()}
+        final_epoch = initial_epoch + len(history.get("loss", []))
         saved = [cb.saved for cb in callbacks if isinstance(cb, kmp.callbacks.AtomicCheckpoint)]
         checkpoints_written = saved[0] if saved else []
     else:
@@ -485,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "resumed_from": path,
         "initial_epoch": initial_epoch,
         "epochs_run": len(history.get("loss", [])),
-        "final_epoch": initial_epoch + len(history.get("loss", [])),
+        "final_epoch": final_epoch,
         "iterations_start": iterations_start,
         "iterations_end": int(model.optimizer.iterations.numpy()),
         "loss_scale_start": scale_start,
@@ -506,6 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cross_rank": world.cross_rank,
         "cross_size": world.cross_size,
         "checkpoints_written": checkpoints_written,
+        "elastic": elastic,
     }
     log(
         f"test accuracy {accuracy:.4f} | ranks' weights "

@@ -77,6 +77,14 @@ def patch_tf_gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> FakeTFConfig:
     return fake
 
 
+@pytest.fixture
+def script(tmp_path) -> Path:
+    """A training script for launcher tests: it exists and prints one line."""
+    path = tmp_path / "train.py"
+    path.write_text("print('hello')\n")
+    return path
+
+
 @pytest.fixture(autouse=True)
 def _reset_keras_global_state(monkeypatch):
     """Every test starts and ends with Keras's default float32 policy and no KMP_POLICY."""

@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp.scaling_optimizer",
             "kmp.optimizer",
             "kmp.callbacks",
+            "kmp.elastic",
             "kmp.data",
             "kmp.datasets",
             "kmp.saving",

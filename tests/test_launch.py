@@ -18,13 +18,6 @@ from kmp.commands.launch import Host, LaunchError, build_command, parse_hostfile
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
 
 
-@pytest.fixture
-def script(tmp_path) -> Path:
-    path = tmp_path / "train.py"
-    path.write_text("print('hello')\n")
-    return path
-
-
 @pytest.fixture(autouse=True)
 def _no_kmp_env(monkeypatch):
     for key in list(os.environ):

@@ -11,13 +11,6 @@ from kmp.commands import launch
 from kmp.commands import preflight as pf
 
 
-@pytest.fixture
-def script(tmp_path):
-    path = tmp_path / "train.py"
-    path.write_text("print('ok')\n")
-    return path
-
-
 def test_nothing_to_check_for_a_one_machine_job():
     assert pf.plan_checks(["localhost"], [], python="py") == ()
     assert pf.plan_checks(["me"], [], python="py", hostname="me.example.org") == ()

@@ -14,7 +14,14 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["Host", "LaunchError", "parse_hostfile", "parse_hosts", "read_hostfile"]
+__all__ = [
+    "Host",
+    "LaunchError",
+    "parse_discovery_output",
+    "parse_hostfile",
+    "parse_hosts",
+    "read_hostfile",
+]
 
 HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 
@@ -120,3 +127,41 @@ def read_hostfile(path: str | os.PathLike) -> list[Host]:
     if not path.is_file():
         raise LaunchError(f"Hostfile {str(path)!r} does not exist or is not a file.")
     return parse_hostfile(path.read_text(), source=f"hostfile {str(path)!r}")
+
+
+def parse_discovery_output(text: str, source: str, default_slots: int | None = None) -> list[Host]:
+    """Parse what a host discovery script printed: one ``HOST:SLOTS`` or ``HOST`` per line.
+
+    This is the format Horovod's elastic driver reads every second.
+
+    Args:
+        text: The script's standard output.
+        source: How to name the script in errors.
+        default_slots: Slots of a line without ``:SLOTS`` (``--slots-per-host``);
+            None makes such a line an error.
+
+    Raises:
+        LaunchError: A malformed line (named with its number), a host printed
+            twice, or no host at all.
+    """
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        where = f"{source} printed line {number} ({raw!r})"
+        name, sep, slots = line.partition(":")
+        if not sep and default_slots is None:
+            raise LaunchError(
+                f"{where}: expected 'HOST:SLOTS' (or pass --slots-per-host for lines with a host "
+                "only)."
+            )
+        if " " in line or "\t" in line:
+            raise LaunchError(f"{where}: expected 'HOST:SLOTS', one host per line.")
+        hosts.append(Host(_host_name(name, where), _slots(slots, where) if sep else default_slots))
+    if not hosts:
+        raise LaunchError(
+            f"{source} printed no hosts, so the job would have nowhere to start; it must print "
+            "one 'HOST:SLOTS' line per available host."
+        )
+    return _no_duplicates(hosts, source)

@@ -43,6 +43,14 @@ from pathlib import Path
 from kmp._names import VALID_POLICIES, normalize_policy
 from kmp.commands import preflight
 from kmp.commands._proc import run_forwarding_signals
+from kmp.commands.elastic_launch import (
+    ElasticOptions,
+    check_discovery,
+    configure_elastic,
+    elastic_args,
+    initial_hosts,
+    options_from_args,
+)
 from kmp.commands.hosts import (
     HOST_RE,
     Host,
@@ -55,6 +63,7 @@ from kmp.commands.hosts import (
 __all__ = [
     "ENV_PREFIX",
     "POLICIES",
+    "ElasticOptions",
     "Host",
     "LaunchError",
     "LaunchPlan",
@@ -102,12 +111,17 @@ class LaunchPlan:
             a single process started directly.
         checks: What to check on the hosts before starting (see
             :mod:`kmp.commands.preflight`); empty for a one-machine job.
+        discovery: An elastic job's own host discovery script, run once by
+            :func:`execute` to check what it prints (None: nothing to check).
+        slots_per_host: Slots of a discovered host printed without ``:SLOTS``.
     """
 
     argv: tuple[str, ...]
     env: Mapping[str, str]
     horovodrun: bool
     checks: tuple[preflight.Check, ...] = ()
+    discovery: str | None = None
+    slots_per_host: int | None = None
 
 
 # ---------------------------------------------------------------- command
@@ -135,7 +149,7 @@ def _default_horovodrun() -> str:
 
 
 def build_command(
-    np: int,
+    np: int | None,
     script: str | os.PathLike,
     script_args: Sequence[str] = (),
     *,
@@ -148,6 +162,7 @@ def build_command(
     python: str | None = None,
     horovodrun: str | None = None,
     environ: Mapping[str, str] | None = None,
+    elastic: ElasticOptions | None = None,
 ) -> LaunchPlan:
     """Build the command that runs ``script`` on ``np`` processes (pure: starts nothing).
 
@@ -167,6 +182,9 @@ def build_command(
         python: Interpreter for the script; this one (``sys.executable``) when None.
         horovodrun: Path of ``horovodrun``; the one next to ``python`` or on PATH when None.
         environ: Environment to take ``KMP_*`` variables from; ``os.environ`` when None.
+        elastic: Run an elastic job (:mod:`kmp.commands.elastic_launch`); its
+            hosts come from host discovery, so ``hosts`` must be None, and
+            ``np`` may be None (see :func:`~kmp.commands.elastic_launch.elastic_args`).
 
     Returns:
         The :class:`LaunchPlan`.
@@ -174,9 +192,11 @@ def build_command(
     Raises:
         LaunchError: ``np < 1``, a missing script, an unknown controller or
             policy, a missing identity file, a bad port or interface name, or hosts
-            with fewer slots than ``np``.
+            with fewer slots than ``np``; bad elastic options.
     """
-    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
+    if elastic is not None and hosts:
+        raise LaunchError("--elastic takes its hosts from discovery (--hostfile), not -H.")
+    if elastic is None and (isinstance(np, bool) or not isinstance(np, int) or np < 1):
         raise LaunchError(f"-np must be an integer >= 1 (the number of processes), got {np!r}.")
     script_path = Path(script)
     if not script_path.is_file():
@@ -194,12 +214,16 @@ def build_command(
     env = forwarded_env(os.environ if environ is None else environ, policy)
     python = python or sys.executable
     command = [python, str(script_path), *script_args]
-    if np == 1:
+    extra: list[str] = []
+    if elastic is not None:
+        np, extra = elastic_args(elastic, np, python=python, controller=controller)
+        hosts = initial_hosts(elastic) or []
+    elif np == 1:
         return LaunchPlan(argv=tuple(command), env=env, horovodrun=False)
-
-    hosts = list(hosts) if hosts else [Host("localhost", np)]
+    else:
+        hosts = list(hosts) if hosts else [Host("localhost", np)]
     total = sum(h.slots for h in hosts)
-    if total < np:
+    if elastic is None and total < np:
         listed = ",".join(str(h) for h in hosts)
         raise LaunchError(
             f"-np {np} needs {np} slots, but the hosts ({listed}) provide {total}. "
@@ -213,12 +237,15 @@ def build_command(
             "key that the other hosts accept."
         )
     nics = [n.strip() for n in (network_interfaces or "").split(",") if n.strip()]
+    if elastic is not None and not nics and hosts and all(h.name == "localhost" for h in hosts):
+        nics = ["lo"]  # Horovod's elastic driver probes interfaces for minutes otherwise
     for nic in nics:
         if not HOST_RE.match(nic) or len(nic) > 15:
             raise LaunchError(f"--network-interface {nic!r} is not an interface name (e.g. eth0).")
     argv = [horovodrun or _default_horovodrun(), "-np", str(np)]
-    argv += ["-H", ",".join(str(h) for h in hosts)]
-    argv.append(f"--{controller or 'gloo'}")
+    if elastic is None:
+        argv += ["-H", ",".join(str(h) for h in hosts)]
+    argv += [*extra, f"--{controller or 'gloo'}"]
     if ssh_port is not None:
         argv += ["-p", str(ssh_port)]
     if ssh_identity_file is not None:
@@ -234,7 +261,14 @@ def build_command(
         ssh_port=ssh_port,
         identity_file=None if ssh_identity_file is None else str(ssh_identity_file),
     )
-    return LaunchPlan(argv=tuple(argv + command), env=env, horovodrun=True, checks=checks)
+    return LaunchPlan(
+        argv=tuple(argv + command),
+        env=env,
+        horovodrun=True,
+        checks=checks,
+        discovery=None if elastic is None else elastic.discovery_script,
+        slots_per_host=None if elastic is None else elastic.slots_per_host,
+    )
 
 
 def format_command(plan: LaunchPlan) -> str:
@@ -251,6 +285,12 @@ def execute(plan: LaunchPlan, *, check_hosts: bool = True) -> int:
         check_hosts: Run ``plan.checks`` first; a failed check returns 2 and
             starts nothing.
     """
+    if plan.discovery is not None:
+        try:
+            check_discovery(plan.discovery, plan.slots_per_host)
+        except LaunchError as exc:
+            print(f"kmp launch: error: {exc}", file=sys.stderr)
+            return 2
     if check_hosts:
         problems = preflight.run_checks(plan.checks)
         for problem in problems:
@@ -323,6 +363,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="NIC",
         help="network interface(s) the ranks talk over, e.g. eth0 (comma-separated for several)",
     )
+    configure_elastic(parser)
     parser.add_argument(
         "--no-preflight",
         action="store_true",
@@ -340,15 +381,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build the command from parsed arguments, then print it (``--dry-run``) or run it."""
     try:
-        if args.hostfile:
+        elastic = options_from_args(args)
+        if elastic is not None:
+            hosts = None
+        elif args.hostfile:
             hosts = read_hostfile(args.hostfile)
         elif args.hosts:
             hosts = parse_hosts(args.hosts)
         else:
             hosts = None
-        if args.np is None and hosts is None:
+        if args.np is None and hosts is None and elastic is None:
             raise LaunchError("give -np N (or -H/--hostfile, whose slots then set N).")
-        np_ = args.np if args.np is not None else sum(h.slots for h in hosts)
+        np_ = args.np if args.np is not None or hosts is None else sum(h.slots for h in hosts)
         plan = build_command(
             np_,
             args.script,
@@ -359,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
             ssh_port=args.ssh_port,
             ssh_identity_file=args.ssh_identity_file,
             network_interfaces=args.network_interfaces,
+            elastic=elastic,
         )
     except LaunchError as exc:
         print(f"kmp launch: error: {exc}", file=sys.stderr)

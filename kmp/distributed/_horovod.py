@@ -26,15 +26,18 @@ __all__ = [
     "broadcast_variables",
     "grouped_allreduce",
     "local_layout",
+    "restart",
     "start",
 ]
 
 
-def start(launched: int) -> ModuleType | None:
+def start(launched: int, *, elastic: bool = False) -> ModuleType | None:
     """Import and initialise ``horovod.tensorflow`` for a job of ``launched`` processes.
 
     Args:
         launched: The world size the launcher announced.
+        elastic: An elastic job (``HOROVOD_ELASTIC=1``): Horovod is needed even
+            while the world is one process.
 
     Returns:
         The initialised ``horovod.tensorflow`` module, or None when the launcher
@@ -47,7 +50,7 @@ def start(launched: int) -> ModuleType | None:
     try:
         hvd = optional_import("horovod.tensorflow", feature="multi-process training")
     except ImportError as exc:
-        if launched > 1:
+        if launched > 1 or elastic:
             raise ImportError(
                 f"This script was launched as {launched} processes, but Horovod is not "
                 f"available, so gradients could not be averaged across them ({exc}). Install "
@@ -56,6 +59,16 @@ def start(launched: int) -> ModuleType | None:
         return None
     hvd.init()
     return hvd
+
+
+def restart(hvd: ModuleType) -> None:
+    """Shut Horovod down and initialise it again: an elastic job's new world.
+
+    In an elastic job ``init`` asks the driver's rendezvous for this worker's new
+    rank and size, and waits until every worker of the new world has asked.
+    """
+    hvd.shutdown()
+    hvd.init()
 
 
 def local_layout(hvd: ModuleType) -> tuple[int, int, int, int, int, int]:

@@ -17,7 +17,7 @@ import sys
 import warnings
 from types import ModuleType
 
-from kmp._launcher_env import launched_world_size
+from kmp._launcher_env import launched_elastic, launched_world_size
 from kmp.distributed import _horovod
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "local_rank",
     "local_size",
     "rank",
+    "restart",
     "size",
     "uses_horovod",
     "world",
@@ -97,18 +98,46 @@ def init() -> World:
     if _STATE.initialized:
         return _STATE.world
     n = launched_world_size()
-    hvd = None if n is None else _horovod.start(n)
+    elastic = launched_elastic()
+    hvd = None if n is None and not elastic else _horovod.start(n or 1, elastic=elastic)
     if hvd is None:
         _STATE.world = _single()
         _STATE.initialized = True
         return _STATE.world
-    rank_, size_, local_rank_, local_size_, cross_rank_, cross_size_ = _horovod.local_layout(hvd)
     _STATE.hvd = hvd
-    _STATE.world = World(
+    _STATE.world = _horovod_world(hvd)
+    _STATE.initialized = True
+    _configure_local_gpu(_STATE.world.local_rank)
+    return _STATE.world
+
+
+def _horovod_world(hvd: ModuleType) -> World:
+    rank_, size_, local_rank_, local_size_, cross_rank_, cross_size_ = _horovod.local_layout(hvd)
+    return World(
         rank_, size_, local_rank_, local_size_, True, cross_rank=cross_rank_, cross_size=cross_size_
     )
-    _STATE.initialized = True
-    _configure_local_gpu(local_rank_)
+
+
+def restart() -> World:
+    """Start the engine again after the job's workers changed (elastic training).
+
+    Horovod is shut down and initialised again; in an elastic job the new world
+    (rank, size, hosts) comes from the driver. The GPU stays the one pinned by
+    :func:`init`: TensorFlow cannot change it in a running process.
+
+    Returns:
+        The new :class:`World` of this process.
+
+    Raises:
+        RuntimeError: Horovod is not running (a single process has no world to restart).
+    """
+    if _STATE.hvd is None:
+        raise RuntimeError(
+            "kmp.distributed.restart() needs a running Horovod job (started by horovodrun); "
+            "this process runs alone."
+        )
+    _horovod.restart(_STATE.hvd)
+    _STATE.world = _horovod_world(_STATE.hvd)
     return _STATE.world
 
 
