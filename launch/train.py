@@ -303,7 +303,7 @@ def test_accuracy(model, args, kmp) -> float:
     return correct / total
 
 
-def throughput_callback(images_per_step: int):
+def throughput_callback(batch_size: int, kmp):
     import keras
 
     class Throughput(keras.callbacks.Callback):
@@ -321,7 +321,9 @@ def throughput_callback(images_per_step: int):
 
         def on_epoch_end(self, epoch, logs=None):
             elapsed = time.perf_counter() - self._start
-            self.per_epoch.append(self._steps * images_per_step / elapsed)
+            # The rank count now: an elastic job may have shrunk or grown since the start.
+            images = self._steps * batch_size * kmp.distributed.size()
+            self.per_epoch.append(images / elapsed)
 
     return Throughput()
 
@@ -471,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     history: dict[str, list] = {}
     checkpoints_written: list[str] = []
     skips = skip_recorder(kmp)
-    rate = throughput_callback(args.batch_size * world.size)
+    rate = throughput_callback(args.batch_size, kmp)
     elastic: dict = {}
     final_epoch = initial_epoch
     if epochs_left and args.elastic:

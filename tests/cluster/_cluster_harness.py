@@ -141,6 +141,19 @@ def cluster(hosts: int, *, slots: int = 1, rate: str | None = None) -> Iterator[
         assert not left, f"kmp cluster down left behind: {left}"
 
 
+def digits_env(data_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment of a training job on the cluster: kmp_digits prepared in ``data_dir``."""
+    from kmp import datasets
+
+    datasets.prepare("kmp_digits", data_dir)
+    return {
+        "KMP_DATA_DIR": str(data_dir),
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+
+
 def on_host(
     host: str, *argv: str, timeout: float = 240, env: dict | None = None
 ) -> subprocess.CompletedProcess:

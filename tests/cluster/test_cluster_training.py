@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _cluster_harness import ROOT, cluster, on_host, requires_cluster
+from _cluster_harness import ROOT, cluster, digits_env, on_host, requires_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.distributed, pytest.mark.slow, requires_cluster]
 
@@ -36,16 +36,7 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict[str, str]:
-    from kmp import datasets
-
-    data_dir = tmp_path_factory.mktemp("tfds")
-    datasets.prepare("kmp_digits", data_dir)
-    return {
-        "KMP_DATA_DIR": str(data_dir),
-        "KMP_PROBE_TOKEN": "from-the-caller",
-        "TF_CPP_MIN_LOG_LEVEL": "3",
-        "OMP_NUM_THREADS": "1",
-    }
+    return digits_env(tmp_path_factory.mktemp("tfds"), KMP_PROBE_TOKEN="from-the-caller")
 
 
 def launch(*args: str, env: dict, timeout: float = 240):
