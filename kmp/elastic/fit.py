@@ -75,7 +75,7 @@ def fit(
     for cb in callbacks:
         if not isinstance(cb, keras.callbacks.Callback):
             raise TypeError(f"kmp.elastic.fit(callbacks=...): {cb!r} is not a Keras callback.")
-    verbose = verbosity(verbose)
+    verbosity(verbose)  # checks the value; the chief is decided per fit (it can change)
     return run(_epochs)(state, data, epochs, commit_every, callbacks, record_examples, verbose)
 
 
@@ -103,13 +103,18 @@ def _epochs(
             record_examples=record_examples,
             verbose=2 if verbose == 2 else 1,
         )
+        if plan.steps == 0:
+            # A commit fell on the epoch's last step and a reset came before its end: only
+            # the end is left (its logs were lost with the failed fit).
+            commit.on_epoch_end(state.epoch, {})
+            continue
         state.model.fit(
             data.dataset(plan),
             initial_epoch=state.epoch,
             epochs=state.epoch + 1,
             steps_per_epoch=plan.steps,
             callbacks=[*callbacks, commit],
-            verbose=verbose,
+            verbose=verbosity(verbose),
         )
     state.record("finished")
     return state.history

@@ -155,6 +155,16 @@ def test_fit_resumes_at_the_committed_position():
     assert int(state.model.optimizer.iterations.numpy()) == 2  # 16 examples left: 2 steps
 
 
+def test_a_commit_on_the_last_step_leaves_only_the_epoch_end():
+    state = small_state()
+    x = np.zeros((16, 2), "float32")
+    data = kmp.elastic.ElasticData(x, x[:, 0], batch_size=8)
+    state.epoch, state.batch, state.samples_done = 0, 2, 16  # restored after the last step
+    fit(state, data, epochs=2, verbose=0)
+    assert state.epoch == 2 and len(state.history) == 2 and state.history[0] == {}
+    assert int(state.model.optimizer.iterations.numpy()) == 2  # epoch 1 only
+
+
 def test_fit_and_the_callback_check_their_arguments():
     state = small_state()
     data = kmp.elastic.ElasticData(np.zeros((4, 2)), np.zeros(4), batch_size=2)
