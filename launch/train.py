@@ -351,7 +351,7 @@ def skip_recorder(kmp):
     return SkipRecorder()
 
 
-def elastic_data(args, kmp, compute_dtype: str, overflow_rank: int | None):
+def elastic_data(args, kmp, compute_dtype: str, overflow_rank: int):
     """The split in memory, dealt to the ranks epoch by epoch (``--elastic``).
 
     ``--inject-overflow STEP`` poisons step STEP of the first epoch's first plan
@@ -471,24 +471,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     epochs_left = max(args.epochs - initial_epoch, 0)
     history: dict[str, list] = {}
-    checkpoints_written: list[str] = []
     skips = skip_recorder(kmp)
     rate = throughput_callback(args.batch_size, kmp)
     elastic: dict = {}
     final_epoch = initial_epoch
-    if epochs_left and args.elastic:
-        overflow_rank = args.inject_overflow_rank
-        if overflow_rank is None:
-            overflow_rank = world.size - 1
-        state = kmp.elastic.KerasState(model, epoch=initial_epoch)
-        callbacks = kmp.callbacks.default_callbacks(
-            broadcast=False,  # the elastic state syncs from rank 0 at the start and after resets
-            warmup_epochs=(args.warmup_epochs or None) if args.lr_schedule == "constant" else None,
-            checkpoint_dir=args.checkpoint_dir,
-            keep=args.keep_checkpoints,
-            extra=[rate, skips],
-            verbose=1,
+    overflow_rank = args.inject_overflow_rank
+    if overflow_rank is None:
+        overflow_rank = world.size - 1
+    if not 0 <= overflow_rank < world.size:
+        raise SystemExit(
+            f"--inject-overflow-rank {overflow_rank}: this job has ranks 0..{world.size - 1}."
         )
+    callbacks = kmp.callbacks.default_callbacks(
+        # An elastic state syncs from rank 0 at the start and after every reset.
+        broadcast=not args.elastic,
+        # A cosine schedule has its warm-up built in; a constant rate uses the callback.
+        warmup_epochs=(args.warmup_epochs or None) if args.lr_schedule == "constant" else None,
+        checkpoint_dir=args.checkpoint_dir,
+        keep=args.keep_checkpoints,
+        extra=[rate, skips]
+        + ([stop_after(args.stop_after_epochs)] if args.stop_after_epochs else []),
+        verbose=1,
+    )
+    if epochs_left and args.elastic:
+        state = kmp.elastic.KerasState(model, epoch=initial_epoch)
         data = elastic_data(args, kmp, choice.compute_dtype, overflow_rank)
         kmp.elastic.fit(
             state,
@@ -503,8 +509,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys = state.history[-1] if state.history else {}
         runs = state.history  # this run's epochs (the state starts empty)
         history = {k: [h[k] for h in runs if k in h] for k in keys}
-        saved = [cb.saved for cb in callbacks if isinstance(cb, kmp.callbacks.AtomicCheckpoint)]
-        checkpoints_written = saved[0] if saved else []
         final_epoch = state.epoch  # a rank that joined got the run's position in the sync
         elastic = {
             "events": state.events,
@@ -525,25 +529,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps_per_epoch=steps,
             image_size=args.image_size,
         )
-        overflow_rank = args.inject_overflow_rank
-        if overflow_rank is None:
-            overflow_rank = world.size - 1
-        if not 0 <= overflow_rank < world.size:
-            raise SystemExit(
-                f"--inject-overflow-rank {overflow_rank}: this job has ranks 0..{world.size - 1}."
-            )
         if args.inject_overflow is not None and world.rank == overflow_rank:
             train = inject_overflow(train, args.inject_overflow)
             print(f"rank {world.rank}: step {args.inject_overflow} will overflow", flush=True)
-        callbacks = kmp.callbacks.default_callbacks(
-            # A cosine schedule has its warm-up built in; a constant rate uses the callback.
-            warmup_epochs=(args.warmup_epochs or None) if args.lr_schedule == "constant" else None,
-            checkpoint_dir=args.checkpoint_dir,
-            keep=args.keep_checkpoints,
-            extra=[rate, skips]
-            + ([stop_after(args.stop_after_epochs)] if args.stop_after_epochs else []),
-            verbose=1,
-        )
         result = model.fit(
             train,
             epochs=args.epochs,
@@ -555,8 +543,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         history = {k: [float(v) for v in vals] for k, vals in result.history.items()}
         final_epoch = initial_epoch + len(history.get("loss", []))
-        saved = [cb.saved for cb in callbacks if isinstance(cb, kmp.callbacks.AtomicCheckpoint)]
-        checkpoints_written = saved[0] if saved else []
     else:
         log(f"nothing to train: {initial_epoch} of {args.epochs} epochs already done")
 
@@ -567,6 +553,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_diff = weights_max_diff(model.trainable_weights, kmp)
     stats_diff = weights_max_diff(model.non_trainable_weights, kmp)
     scale_end, skipped = loss_scale_of(model)
+    saved = [cb.saved for cb in callbacks if isinstance(cb, kmp.callbacks.AtomicCheckpoint)]
+    checkpoints_written = saved[0] if saved else []  # empty on ranks that were never rank 0
     measured = rate.per_epoch[1:] or rate.per_epoch  # the first epoch includes tracing
     summary = {
         "model": args.model,

@@ -79,7 +79,7 @@ def test_users_discovery_script_is_passed_and_checked(tmp_path, script):
     own = tmp_path / "discover.sh"
     own.write_text("#!/bin/sh\necho n1:2\necho n2:2\n")
     own.chmod(0o755)
-    np_, args = elastic_args(ElasticOptions(min_np=2, max_np=4, discovery_script=str(own)), None,
+    np_, args, _ = elastic_args(ElasticOptions(min_np=2, max_np=4, discovery_script=str(own)), None,
                              python=sys.executable, controller=None)  # fmt: skip
     assert np_ == 2 and value(args, "--host-discovery-script") == str(own.resolve())
     assert check_discovery(str(own)) == [Host("n1", 2), Host("n2", 2)]

@@ -33,7 +33,6 @@ __all__ = [
     "check_discovery",
     "configure_elastic",
     "elastic_args",
-    "initial_hosts",
     "options_from_args",
 ]
 
@@ -73,15 +72,13 @@ def _positive(value: object, flag: str, minimum: int = 1) -> int:
     return value
 
 
-def initial_hosts(options: ElasticOptions) -> list[Host] | None:
-    """The hosts a ``--hostfile`` lists now (None with a discovery script)."""
-    return read_hostfile(options.hostfile) if options.hostfile else None
-
-
 def elastic_args(
     options: ElasticOptions, np: int | None, *, python: str, controller: str | None
-) -> tuple[int, list[str]]:
-    """Check ``options`` and return ``(np, horovodrun arguments)`` (pure but for file checks).
+) -> tuple[int, list[str], list[Host]]:
+    """Check ``options``; return ``(np, horovodrun arguments, hosts)`` (pure but for file reads).
+
+    ``hosts`` are those the ``--hostfile`` lists now (empty with a discovery
+    script, whose hosts are known only when it runs).
 
     Args:
         options: The elastic settings.
@@ -126,8 +123,9 @@ def elastic_args(
             )
         discovery = str(script.resolve())
         start_np = min_np
+        hosts: list[Host] = []
     else:
-        hosts = initial_hosts(options) or []
+        hosts = read_hostfile(options.hostfile)
         slots = sum(h.slots for h in hosts)
         if slots < min_np:
             raise LaunchError(
@@ -160,7 +158,7 @@ def elastic_args(
                 f"--blacklist-cooldown-range {low} {high}: give the shorter time first."
             )
         args += ["--blacklist-cooldown-range", str(low), str(high)]
-    return np, args
+    return np, args, hosts
 
 
 def check_discovery(
@@ -248,11 +246,6 @@ def options_from_args(args: argparse.Namespace) -> ElasticOptions | None:
         if given:
             raise LaunchError(f"{', '.join(given)} only apply to an elastic job: add --elastic.")
         return None
-    if args.hosts:
-        raise LaunchError(
-            "--elastic takes its hosts from --hostfile (re-read while the job runs) or "
-            "--host-discovery-script, not -H."
-        )
     if args.min_np is None:
         raise LaunchError("--elastic needs --min-np A, the fewest processes the job runs with.")
     cooldown = args.blacklist_cooldown_range

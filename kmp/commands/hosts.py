@@ -56,6 +56,12 @@ def _host_name(text: str, where: str) -> str:
     return text
 
 
+def _entry(text: str, where: str, default_slots: int = 1) -> Host:
+    """One ``HOST:N`` or ``HOST`` (``default_slots`` slots)."""
+    name, sep, slots = text.partition(":")
+    return Host(_host_name(name, where), _slots(slots, where) if sep else default_slots)
+
+
 def _no_duplicates(hosts: list[Host], where: str) -> list[Host]:
     seen: set[str] = set()
     for host in hosts:
@@ -77,8 +83,7 @@ def parse_hosts(spec: str) -> list[Host]:
         entry = entry.strip()
         if not entry:
             raise LaunchError(f"{where}: empty entry; use -H host1:N,host2:M.")
-        name, sep, slots = entry.partition(":")
-        hosts.append(Host(_host_name(name, where), _slots(slots, where) if sep else 1))
+        hosts.append(_entry(entry, where))
     return _no_duplicates(hosts, f"-H {spec!r}")
 
 
@@ -106,8 +111,7 @@ def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
         where = f"{source} line {number} ({raw.strip()!r})"
         fields = line.split()
         if len(fields) == 1:
-            name, sep, slots = fields[0].partition(":")
-            hosts.append(Host(_host_name(name, where), _slots(slots, where) if sep else 1))
+            hosts.append(_entry(fields[0], where))
         elif len(fields) == 2 and fields[1].startswith("slots="):
             hosts.append(
                 Host(_host_name(fields[0], where), _slots(fields[1][len("slots=") :], where))
@@ -150,15 +154,14 @@ def parse_discovery_output(text: str, source: str, default_slots: int | None = N
         if not line:
             continue
         where = f"{source} printed line {number} ({raw!r})"
-        name, sep, slots = line.partition(":")
-        if not sep and default_slots is None:
+        if ":" not in line and default_slots is None:
             raise LaunchError(
                 f"{where}: expected 'HOST:SLOTS' (or pass --slots-per-host for lines with a host "
                 "only)."
             )
         if " " in line or "\t" in line:
             raise LaunchError(f"{where}: expected 'HOST:SLOTS', one host per line.")
-        hosts.append(Host(_host_name(name, where), _slots(slots, where) if sep else default_slots))
+        hosts.append(_entry(line, where, default_slots or 1))
     if not hosts:
         raise LaunchError(
             f"{source} printed no hosts, so the job would have nowhere to start; it must print "

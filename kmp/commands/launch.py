@@ -48,7 +48,6 @@ from kmp.commands.elastic_launch import (
     check_discovery,
     configure_elastic,
     elastic_args,
-    initial_hosts,
     options_from_args,
 )
 from kmp.commands.hosts import (
@@ -195,7 +194,10 @@ def build_command(
             with fewer slots than ``np``; bad elastic options.
     """
     if elastic is not None and hosts:
-        raise LaunchError("--elastic takes its hosts from discovery (--hostfile), not -H.")
+        raise LaunchError(
+            "--elastic takes its hosts from --hostfile (re-read while the job runs) or "
+            "--host-discovery-script, not -H."
+        )
     if elastic is None and (isinstance(np, bool) or not isinstance(np, int) or np < 1):
         raise LaunchError(f"-np must be an integer >= 1 (the number of processes), got {np!r}.")
     script_path = Path(script)
@@ -216,8 +218,7 @@ def build_command(
     command = [python, str(script_path), *script_args]
     extra: list[str] = []
     if elastic is not None:
-        np, extra = elastic_args(elastic, np, python=python, controller=controller)
-        hosts = initial_hosts(elastic) or []
+        np, extra, hosts = elastic_args(elastic, np, python=python, controller=controller)
     elif np == 1:
         return LaunchPlan(argv=tuple(command), env=env, horovodrun=False)
     else:
@@ -382,12 +383,10 @@ def run(args: argparse.Namespace) -> int:
     """Build the command from parsed arguments, then print it (``--dry-run``) or run it."""
     try:
         elastic = options_from_args(args)
-        if elastic is not None:
-            hosts = None
-        elif args.hostfile:
-            hosts = read_hostfile(args.hostfile)
-        elif args.hosts:
+        if args.hosts:
             hosts = parse_hosts(args.hosts)
+        elif args.hostfile and elastic is None:
+            hosts = read_hostfile(args.hostfile)
         else:
             hosts = None
         if args.np is None and hosts is None and elastic is None:

@@ -24,6 +24,7 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "broadcast_variables",
+    "unique_variables",
     "grouped_allreduce",
     "payload_bytes",
 ]
@@ -107,6 +108,17 @@ def barrier() -> None:
     _horovod.barrier(hvd)
 
 
+def unique_variables(variables: Iterable[Any]) -> list[Any]:
+    """``variables`` in order, each object once (a variable shared by two lists counts once)."""
+    seen: set[int] = set()
+    unique = []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            unique.append(v)
+    return unique
+
+
 def broadcast_variables(variables: Iterable[Any], root: int = 0) -> Any:
     """Overwrite ``variables`` on every rank with their values on rank ``root``.
 
@@ -129,12 +141,7 @@ def broadcast_variables(variables: Iterable[Any], root: int = 0) -> Any:
     hvd = _engine()
     if hvd is None:
         return None
-    seen: set[int] = set()
-    unique = []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            unique.append(v)
+    unique = unique_variables(variables)
     if not unique:
         return None
     import keras

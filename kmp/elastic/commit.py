@@ -76,15 +76,16 @@ class CommitCallback(keras.callbacks.Callback):
             state.samples_done = self.plan.position_after(self._steps)
         state.batch += 1
         if self.every is not None and state.batch % self.every == 0:
+            self._gather_examples()
             self._commit()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Record the epoch's logs, move to the next epoch and commit."""
         state = self.state
         state.history.append({k: float(np.asarray(v)) for k, v in (logs or {}).items()})
-        self._gather_examples()
+        self._gather_examples()  # into this epoch, before the position moves on
         state.epoch, state.batch, state.samples_done = epoch + 1, 0, 0
-        self._commit(gathered=True)
+        self._commit()
 
     def _gather_examples(self) -> None:
         if not self.record_examples:
@@ -95,9 +96,7 @@ class CommitCallback(keras.callbacks.Callback):
         used = [int(i) for i in everyone if i != PAD]
         self.state.examples.setdefault(self.state.epoch, []).extend(used)
 
-    def _commit(self, gathered: bool = False) -> None:
-        if not gathered:
-            self._gather_examples()
+    def _commit(self) -> None:
         state = self.state
         if self.verbose >= 2:
             _chief_print(

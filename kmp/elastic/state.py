@@ -30,6 +30,7 @@ import numpy as np
 
 from kmp import distributed
 from kmp.callbacks._ranks import _innermost
+from kmp.distributed.collectives import unique_variables
 
 __all__ = ["KerasState"]
 
@@ -98,7 +99,7 @@ class KerasState:
         self.commits = 0
         self.resets = 0
         self.events: list[dict[str, Any]] = []
-        self._variables = _unique([*model.variables, *optimizer.variables])
+        self._variables = unique_variables([*model.variables, *optimizer.variables])
         self._reset_callbacks: list[Callable[[], None]] = []
         self._host_messages: queue.Queue = queue.Queue()
         self._last_updated_timestamp = 0
@@ -125,11 +126,10 @@ class KerasState:
         out["size"] = distributed.size()
         out["rank"] = distributed.rank()
         out["iterations"] = int(keras.ops.convert_to_numpy(opt.iterations))
-        for name in ("loss_scale", "skipped_steps"):
-            if hasattr(opt, name):
-                out[name] = (
-                    float(getattr(opt, name)) if name == "loss_scale" else int(getattr(opt, name))
-                )
+        if hasattr(opt, "loss_scale"):
+            out["loss_scale"] = float(opt.loss_scale)
+        if hasattr(opt, "skipped_steps"):
+            out["skipped_steps"] = int(opt.skipped_steps)
         return out
 
     def record(self, event: str, **details: Any) -> None:
@@ -155,9 +155,12 @@ class KerasState:
         if rescale is not None:
             rescale(factor)
 
+    def _values(self) -> list[np.ndarray]:
+        return [np.array(keras.ops.convert_to_numpy(v)) for v in self._variables]
+
     def save(self) -> None:
         """Copy the state to host memory: the point :meth:`restore` returns to."""
-        self._saved_values = [np.array(keras.ops.convert_to_numpy(v)) for v in self._variables]
+        self._saved_values = self._values()
         self._saved = self._python_state()
 
     def restore(self) -> None:
@@ -178,10 +181,11 @@ class KerasState:
             ValueError: This rank's model or optimizer has variables of other
                 shapes than rank 0's (a different model).
         """
-        mine = [np.array(keras.ops.convert_to_numpy(v)) for v in self._variables]
-        layout = [(tuple(a.shape), str(a.dtype)) for a in mine]
+        layout = [(tuple(v.shape), str(v.dtype)) for v in self._variables]
+        # Only rank 0's values travel: the other ranks copy none of theirs.
+        mine = self._values() if distributed.rank() == 0 else None
         python, root_layout, values = distributed.broadcast_object(
-            (self._python_state(), layout, mine if distributed.rank() == 0 else None), root=0
+            (self._python_state(), layout, mine), root=0
         )
         if root_layout != layout:
             raise ValueError(
@@ -264,13 +268,3 @@ class KerasState:
             f"KerasState(model={self.model.name!r}, epoch={self.epoch}, batch={self.batch}, "
             f"samples_done={self.samples_done}, optimizer={inner})"
         )
-
-
-def _unique(variables: list) -> list:
-    seen: set[int] = set()
-    out = []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            out.append(v)
-    return out
