@@ -4,10 +4,12 @@
 its own ``build_model``, so the benchmarks time what the reference script
 trains: the digits CNN on 8x8 grey images, ``keras.applications.ResNet50(weights=None)``
 at a chosen image size), ``cnn`` is the small 6-convolution CNN of
-``STACK.md`` (32x32 RGB) and ``mlp`` two 1024-wide dense layers on flattened
-28x28 images. Every model is returned with :func:`kmp.float32_outputs` applied,
-built under the global dtype policy in force when :func:`build` is called (call
-``kmp.enable(...)`` first).
+``STACK.md`` (32x32 RGB), ``mlp`` two 1024-wide dense layers on flattened
+28x28 images and ``wide_mlp`` three 2048-wide ones (10.5 M weights, 42 MB of
+float32 gradients per step: communication-bound on a 1 Gbit/s link). Every
+model is returned with :func:`kmp.float32_outputs` applied, built under the
+global dtype policy in force when :func:`build` is called (call ``kmp.enable(...)``
+first).
 
 ``KMP_BENCH_IMAGE_SIZE`` in the environment sets the image size of every model
 whose size is not passed explicitly; ``kmp bench --image-size`` uses it to reach
@@ -24,11 +26,11 @@ from types import ModuleType
 
 import numpy as np
 
-MODELS = ("digits_cnn", "cnn", "mlp", "resnet50")
-DEFAULT_IMAGE_SIZE = {"digits_cnn": 8, "cnn": 32, "mlp": 28, "resnet50": 64}
-CHANNELS = {"digits_cnn": 1, "cnn": 3, "mlp": 1, "resnet50": 3}
+MODELS = ("digits_cnn", "cnn", "mlp", "wide_mlp", "resnet50")
+DEFAULT_IMAGE_SIZE = {"digits_cnn": 8, "cnn": 32, "mlp": 28, "wide_mlp": 28, "resnet50": 64}
+CHANNELS = {"digits_cnn": 1, "cnn": 3, "mlp": 1, "wide_mlp": 1, "resnet50": 3}
 # Smallest side each model accepts (its pooling must leave at least one pixel).
-MIN_IMAGE_SIZE = {"digits_cnn": 2, "cnn": 8, "mlp": 1, "resnet50": 32}
+MIN_IMAGE_SIZE = {"digits_cnn": 2, "cnn": 8, "mlp": 1, "wide_mlp": 1, "resnet50": 32}
 IMAGE_SIZE_ENV = "KMP_BENCH_IMAGE_SIZE"
 TRAIN_SCRIPT = Path(__file__).resolve().parent.parent / "launch" / "train.py"
 
@@ -94,7 +96,7 @@ def input_shape(name: str, image_size: int | None = None) -> tuple[int, ...]:
         ValueError: Unknown model, or an image size the model cannot take.
     """
     size = image_side(name, image_size)
-    if name == "mlp":
+    if name in ("mlp", "wide_mlp"):
         return (size * size,)
     return (size, size, CHANNELS[name])
 
@@ -125,11 +127,13 @@ def build(name: str, image_size: int | None = None, num_classes: int = 10):
         outputs = keras.layers.Dense(num_classes, activation="softmax", name="probs")(x)
         model = keras.Model(inputs, outputs, name="cnn")
     else:
+        width, depth = (2048, 3) if name == "wide_mlp" else (1024, 2)
         inputs = keras.Input(shape=shape, name="images")
-        x = keras.layers.Dense(1024, activation="relu")(inputs)
-        x = keras.layers.Dense(1024, activation="relu")(x)
+        x = inputs
+        for _ in range(depth):
+            x = keras.layers.Dense(width, activation="relu")(x)
         outputs = keras.layers.Dense(num_classes, activation="softmax", name="probs")(x)
-        model = keras.Model(inputs, outputs, name="mlp")
+        model = keras.Model(inputs, outputs, name=name)
     return kmp.float32_outputs(model)
 
 

@@ -34,6 +34,7 @@ RESULT_NAMES = {
     "overhead": "overhead",
     "allreduce": "allreduce",
     "memory": "memory",
+    "peers": "peers",
 }
 # Environment variables that would change what a benchmark measures.
 _SCRUBBED_ENV = ("KMP_POLICY",)
@@ -92,6 +93,8 @@ def plan(args: argparse.Namespace) -> list[Part]:
             else:
                 argv = _opt("--model", model) + _opt("--steps", steps) + _opt("--batch", batch)
             parts.append(Part(name, "memory.py", tuple(argv)))
+        elif name == "peers":  # its own models: the digits CNN and the wide MLP
+            parts.append(Part(name, "peers.py", ("--quick",) if quick else ()))
         else:
             raise ValueError(f"unknown benchmark part {name!r}")
     return parts
@@ -433,10 +436,26 @@ def target_gpu(results: dict) -> list[Target]:
     return [t]
 
 
+def target_peers(results: dict) -> list[Target]:
+    """The targets ``peers.py`` judged: the limit, the peers, compression and overlap."""
+    res = results.get("peers")
+    out = []
+    for t in (res or {}).get("targets", []):
+        target = Target(t["name"], t["goal"], measured=t["measured"], value=t["value"])
+        target.passed = t["met"]
+        if target.passed is not None:
+            target.measured = f"{t['value']} ({t['measured']})"
+        if target.passed is False:
+            target.why = "see peers.md and docs/performance.md." + _load_note(res)
+        out.append(target)
+    return out
+
+
 TARGETS = (
     target_auto,
     target_overhead,
     target_scaling,
+    target_peers,
     target_compression,
     target_memory,
     target_gpu,
@@ -488,6 +507,7 @@ def summary_markdown(
         "overhead": "Wrapper overhead",
         "allreduce": "Allreduce and weak scaling",
         "memory": "Memory of a training step",
+        "peers": "Peers, the limit, hosts and links",
     }
     for name, rec in records.items():
         lines += ["", f"## {titles.get(name, name)}", ""]

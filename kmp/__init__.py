@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "hardware": "kmp.hardware",
     "layers": "kmp.layers",
     "loss_scale": "kmp.loss_scale",
+    "xla": "kmp.xla",
 }
 
 __all__ = ["__version__", *_EXPORTS]
@@ -56,6 +57,7 @@ if _TYPE_CHECKING:  # pragma: no cover  (static analysers see the lazy names)
         hardware,
         layers,
         loss_scale,
+        xla,
     )
     from kmp._dispatch import wrap_optimizer  # noqa: F401
     from kmp.auditing import AuditReport, audit  # noqa: F401

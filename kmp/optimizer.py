@@ -35,6 +35,7 @@ from kmp import _checks, distributed
 from kmp import loss_scale as _ls
 from kmp._legacy_keras import is_tf_keras_object
 from kmp._names import LOSS_SCALE_MODES, normalize_compression
+from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from kmp.learning_rate import ScaledLearningRate, scaled_learning_rate
 from kmp.scaling_optimizer import DistributedLossScaleOptimizer
 
@@ -53,6 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "compression": None,
     "backward_passes_per_step": 1,
     "scale_lr": False,
+    "bucket_bytes": DEFAULT_BUCKET_BYTES,
 }
 
 
@@ -97,6 +99,7 @@ def _requested(given: dict[str, Any]) -> tuple[_ls.LossScale, dict[str, Any]]:
         "backward_passes_per_step", settings["backward_passes_per_step"], minimum=1
     )
     settings["scale_lr"] = _checks.check_bool("scale_lr", settings["scale_lr"])
+    settings["bucket_bytes"] = check_bucket_bytes(settings["bucket_bytes"])
     knobs = {k: given.get(k, NOT_GIVEN) for k in _ls.KNOBS}  # defaults: the rule's own
     rule = _ls.from_setting(
         settings["loss_scale"],
@@ -132,6 +135,7 @@ def wrap_optimizer(
     compression: str | None = NOT_GIVEN,
     backward_passes_per_step: int = NOT_GIVEN,
     scale_lr: bool = NOT_GIVEN,
+    bucket_bytes: int | None = NOT_GIVEN,
 ) -> keras.optimizers.Optimizer:
     """Return one Keras optimizer that scales the loss and averages gradients over ranks.
 
@@ -167,6 +171,10 @@ def wrap_optimizer(
             average them, allreduce once and update (default 1). A window with a
             non-finite micro-batch is skipped as a whole.
         scale_lr: Multiply the learning rate by the number of ranks (default False).
+        bucket_bytes: Reduce the gradients in buckets of about this many bytes, last
+            layer first, so that communication overlaps the backward pass (default
+            :data:`kmp.distributed.buckets.DEFAULT_BUCKET_BYTES`); None: one grouped
+            allreduce after all gradients exist.
 
     Returns:
         A :class:`DistributedLossScaleOptimizer` (a Keras ``LossScaleOptimizer``).
@@ -193,6 +201,7 @@ def wrap_optimizer(
             "compression": compression,
             "backward_passes_per_step": backward_passes_per_step,
             "scale_lr": scale_lr,
+            "bucket_bytes": bucket_bytes,
         }.items()
         if _checks.given(v)
     }
@@ -228,12 +237,7 @@ def wrap_optimizer(
         )
 
     world_size = distributed.size()
-    if world_size > 1 and keras.backend.backend() != "tensorflow":
-        raise RuntimeError(
-            f"{world_size} Horovod ranks are running, but kmp averages gradients only on the "
-            f"TensorFlow backend (KERAS_BACKEND is {keras.backend.backend()!r}). Set "
-            "KERAS_BACKEND=tensorflow, or run one process."
-        )
+    distributed.check_averaging_runtime(world_size)
     lr_scale = float(world_size) if settings["scale_lr"] else 1.0
     if lr_scale != 1.0:
         optimizer.learning_rate = scaled_learning_rate(
@@ -250,6 +254,7 @@ def wrap_optimizer(
         backward_passes_per_step=settings["backward_passes_per_step"],
         scale_lr=settings["scale_lr"],
         lr_scale=lr_scale,
+        bucket_bytes=settings["bucket_bytes"],
     )
 
 

@@ -3,16 +3,15 @@
 One training step with it, on every rank::
 
     loss -> scale_loss -> gradients -> [accumulate N micro-batches]
-         -> ONE grouped allreduce of the still-scaled gradients (optionally fp16/bf16)
+         -> grouped allreduce of the still-scaled gradients (optionally fp16/bf16), in
+            buckets of ``bucket_bytes``, last layer first, overlapping the backward pass
          -> finite check (the same answer on every rank) -> unscale and apply, or skip
          -> kmp.loss_scale.update: the next scale, good/overflow counters, skipped count
 
-Because gradients are averaged before they are checked, an overflow on any rank
-makes every rank skip the same step and move its scale the same way, so the
-ranks never drift apart. The loss-scale rule itself lives in
-:mod:`kmp.loss_scale`; this class holds its state in four optimizer variables
-and runs it on the stateful path (TensorFlow, PyTorch: :meth:`apply`) and the
-stateless one (JAX: :meth:`stateless_apply`).
+Gradients are averaged before they are checked, so an overflow on any rank makes
+every rank skip the same step and move its scale alike. The rule lives in
+:mod:`kmp.loss_scale`; this class keeps its state in four optimizer variables
+and runs it stateful (:meth:`apply`) and stateless (JAX: :meth:`stateless_apply`).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from keras import ops
 from kmp import distributed
 from kmp import loss_scale as _ls
 from kmp._names import normalize_compression
+from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from kmp.learning_rate import rescale_learning_rate
 
 __all__ = ["DistributedLossScaleOptimizer"]
@@ -32,7 +32,7 @@ __all__ = ["DistributedLossScaleOptimizer"]
 
 @keras.saving.register_keras_serializable(package="kmp")
 class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
-    """Loss scaling plus one grouped Horovod allreduce per step, around an inner optimizer.
+    """Loss scaling plus bucketed Horovod allreduces per step, around an inner optimizer.
 
     Build it with :func:`kmp.wrap_optimizer`, which validates the arguments and
     scales the learning rate. Everything is decided when the object is made:
@@ -51,6 +51,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         backward_passes_per_step: Micro-batches accumulated locally per update.
         scale_lr: Whether :func:`kmp.wrap_optimizer` scaled the learning rate.
         lr_scale: The factor it scaled it by (kept for the config).
+        bucket_bytes: Bytes per allreduce bucket; None: one grouped allreduce.
         name: Optimizer name.
         **knobs: Loss-scale knobs (``initial_scale``, ``growth_interval``, ...) for
             a rule resolved here; not allowed together with a ``LossScale``.
@@ -66,6 +67,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         backward_passes_per_step: int = 1,
         scale_lr: bool = False,
         lr_scale: float = 1.0,
+        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         name: str | None = None,
         **knobs: Any,
     ):
@@ -93,6 +95,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.backward_passes_per_step = int(backward_passes_per_step)
         self.scale_lr = bool(scale_lr)
         self.lr_scale = float(lr_scale)
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         self._payload_bytes = 0
         self._own_index: dict[int, int] = {}
 
@@ -154,6 +157,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "compression": self.compression,
             "backward_passes_per_step": self.backward_passes_per_step,
             "scale_lr": self.scale_lr,
+            "bucket_bytes": self.bucket_bytes,
         }
 
     def rescale_learning_rate(self, factor: float) -> None:
@@ -249,31 +253,16 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # -------------------------------------------------------------------- apply
 
-    def _check_runtime(self, world_size: int) -> None:
-        if world_size == 1:
-            return
-        if keras.backend.backend() != "tensorflow":
-            raise RuntimeError(
-                f"Averaging gradients over {world_size} Horovod ranks needs the TensorFlow "
-                f"backend (Horovod's collectives are TensorFlow ops), but KERAS_BACKEND is "
-                f"{keras.backend.backend()!r}. Set KERAS_BACKEND=tensorflow, or run one process."
-            )
-        import tensorflow as tf
-
-        if tf.distribute.has_strategy():
-            raise RuntimeError(
-                "kmp.wrap_optimizer averages gradients with Horovod; do not also use a "
-                "tf.distribute strategy. Build and fit the model outside strategy.scope()."
-            )
-
     def _allreduce(self, grads: list) -> list:
         world_size = distributed.size()
-        self._check_runtime(world_size)
+        distributed.check_averaging_runtime(world_size)
         if world_size == 1:
             self._payload_bytes = 0
             return grads
         self._payload_bytes = distributed.payload_bytes(grads, self.compression)
-        return distributed.grouped_allreduce(grads, op="average", compression=self.compression)
+        return distributed.grouped_allreduce(
+            grads, op="average", compression=self.compression, bucket_bytes=self.bucket_bytes
+        )
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
         """Average ``grads`` over ranks, check them, unscale and update (or skip).
@@ -367,7 +356,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "Build the optimizer before stateless_apply: "
                 "`opt.build(model.trainable_variables)`."
             )
-        self._check_runtime(distributed.size())
+        distributed.check_averaging_runtime(distributed.size())
         if self.backward_passes_per_step > 1:
             raise NotImplementedError(
                 "backward_passes_per_step > 1 is implemented for stateful backends "
@@ -417,6 +406,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "backward_passes_per_step": self.backward_passes_per_step,
             "scale_lr": self.scale_lr,
             "lr_scale": self.lr_scale,
+            "bucket_bytes": self.bucket_bytes,
         }
 
     @classmethod

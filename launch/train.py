@@ -81,6 +81,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--compression", choices=("none", "fp16", "bf16"), default="none")
     p.add_argument(
+        "--bucket-bytes",
+        type=int,
+        help="reduce the gradients in buckets of this many bytes, last layer first "
+        "(default: kmp's, one grouped allreduce; see docs/performance.md)",
+    )
+    p.add_argument(
+        "--jit-gradients",
+        action="store_true",
+        help="compile forward and backward with XLA, the allreduce outside (kmp.xla)",
+    )
+    p.add_argument(
         "--scale-lr", action="store_true", help="multiply the learning rate by the rank count"
     )
     p.add_argument(
@@ -166,6 +177,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.steps_per_epoch is not None and args.steps_per_epoch < 1:
         p.error("--steps-per-epoch must be >= 1")
+    if args.bucket_bytes is not None and args.bucket_bytes < 1:
+        p.error("--bucket-bytes must be >= 1 (leave it out for one grouped allreduce)")
     if args.warmup_epochs < 0:
         p.error("--warmup-epochs must be >= 0")
     if args.inject_overflow is not None and args.inject_overflow < 0:
@@ -243,6 +256,7 @@ def make_optimizer(args, kmp, steps_per_epoch: int, size: int):
         compression=None if args.compression == "none" else args.compression,
         scale_lr=args.scale_lr,
         growth_interval=args.loss_scale_growth_interval,
+        **({} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}),
     )
 
 
@@ -462,6 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if path:
             print(f"rank {world.rank}: cannot read {path}; taking rank 0's state", flush=True)
+    if args.jit_gradients:
+        model.jit_compile = False  # a loaded model keeps its own setting otherwise
+        kmp.xla.jit_gradients(model)
     if world.rank == 0:
         print(kmp.audit(model).summary(max_rows=40), flush=True)  # ResNet-50: short
     if not model.optimizer.built:  # a loaded optimizer is built, with its state
@@ -579,6 +596,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "test_accuracy": accuracy,
         "weights_max_diff": max_diff,
         "non_trainable_max_diff": stats_diff,
+        "bucket_bytes": model.optimizer.bucket_bytes,
+        # How often the XLA-compiled forward and backward pass was traced (None: no XLA).
+        "xla_traces": (
+            model.train_step.xla_function.experimental_get_tracing_count()
+            if args.jit_gradients
+            else None
+        ),
         "images_per_sec": sum(measured) / len(measured) if measured else None,
         # Where this rank ran, and what it wrote (a per-rank --summary shows every rank's).
         "rank": world.rank,

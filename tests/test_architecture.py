@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp.learning_rate",
             "kmp.scaling_optimizer",
             "kmp.optimizer",
+            "kmp.xla",
             "kmp.callbacks",
             "kmp.elastic",
             "kmp.data",

@@ -122,9 +122,12 @@ def test_bench_is_a_kmp_command():
 def test_plan_passes_the_options_to_each_script():
     suite = _load("suite")
     parts = {p.name: p for p in suite.plan(_args(model="cnn", steps=7, batch=16))}
-    assert list(parts) == ["policies", "overhead", "allreduce", "memory"]
+    assert list(parts) == ["policies", "overhead", "allreduce", "memory", "peers"]
+    assert parts["peers"].argv == ()  # its own models and sizes (the digits CNN, wide_mlp)
     for name, part in parts.items():
         assert (BENCH / part.script).name == f"{name}.py"
+        if name == "peers":
+            continue
         argv = list(part.argv)
         assert argv[argv.index("--steps") + 1] == "7"
         assert argv[argv.index("--batch") + 1] == "16"
@@ -209,7 +212,7 @@ def test_models_input_shapes_and_the_image_size_variable(monkeypatch):
     assert models.input_shape("cnn", 16) == (16, 16, 3)  # an explicit size wins
     with pytest.raises(ValueError, match="at least 32x32"):
         models.input_shape("resnet50", 16)
-    with pytest.raises(ValueError, match="digits_cnn, cnn, mlp, resnet50"):
+    with pytest.raises(ValueError, match="digits_cnn, cnn, mlp, wide_mlp, resnet50"):
         models.input_shape("vgg")
     monkeypatch.setenv("KMP_BENCH_IMAGE_SIZE", "big")
     with pytest.raises(ValueError, match="not an integer"):
@@ -413,9 +416,16 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
         assert fig["step_bytes"] > 0
     assert memory["policies"]["mixed_float16"]["activation_vs_float32"] < 1.0
     targets = {t["name"]: t for t in summary["targets"]}
-    assert len(targets) == 8
+    assert len(targets) == 12
     measured = [t for t in targets.values() if t["result"] != "not run"]
-    assert len(measured) == 7  # all but the GPU one
+    assert len(measured) == 9  # all but the GPU one and the two of the links (not in --quick)
+    peers = json.loads((out / summary["parts"]["peers"]["result_file"]).read_text())
+    jobs = peers["local"]["jobs"]
+    assert not peers["local"]["errors"]
+    for name in ("kmp", "hvd_tape", "mwms"):  # every peer ran, its ranks in sync
+        assert jobs[name]["images_per_s"] > 0 and jobs[name]["ranks_identical"], name
+        assert 0.0 <= jobs[name]["accuracy"] <= 1.0
+    assert peers["cluster"] == {"skipped": "--no-cluster"}
     for t in measured:
         assert math.isfinite(t["value"]) and t["value"] > 0
     assert (out / "summary_quick.png").read_bytes()[:8] == PNG_MAGIC
@@ -452,3 +462,62 @@ def test_gpu_resnet50_quick_runs_on_jax_cpu(tmp_path):
     assert pols["mixed_float16"]["loss_scale"] > 1.0  # dynamic loss scaling ran
     assert pols["float32"]["loss_scale"] == 1.0
     assert out.with_suffix(".md").read_text().startswith("| policy | images/s |")
+
+
+# ------------------------------------------------------------------ peers (pure parts)
+
+
+def _peers_result(**cluster_rows):
+    row = {"ranks_identical": True}
+    return {
+        "local": {
+            "jobs": {
+                "independent_pair": {**row, "images_per_s": 1000.0},
+                "kmp": {**row, "images_per_s": 960.0, "vs_limit": 0.96, "accuracy": 0.97},
+                "hvd_tape": {**row, "images_per_s": 800.0, "accuracy": 0.97},
+                "mwms": {**row, "images_per_s": 1200.0, "accuracy": 0.97},
+            },
+            "errors": {},
+        },
+        "cluster": {
+            "jobs": {k.replace("__", "/"): {**row, **v} for k, v in cluster_rows.items()},
+            "errors": {},
+        },
+        "machine": {"cpu": "test", "cores": 2, "avx512_bf16": False},
+        "load_average": [0.5, 0.5, 0.5],
+    }
+
+
+def test_peer_targets_judge_the_figures_of_the_run():
+    report, peers = _load("peers_report"), _load("peers")
+    result = _peers_result(**{
+        "1gbit__2__kmp": {"images_per_s": 100.0},
+        "1gbit__2__kmp_fp16_one_bucket": {"images_per_s": 170.0, "vs_one_bucket": 1.7},
+        "1gbit__2__kmp_bucket_4096k": {"images_per_s": 110.0, "vs_one_bucket": 1.1},
+        "1gbit__3__kmp_fp16_one_bucket": {"images_per_s": 150.0, "vs_one_bucket": 1.5},
+        "1gbit__2__hvd_tape": {"images_per_s": 90.0},
+    })  # fmt: skip
+    by = {t["name"].split(":")[0]: t for t in report.targets(result, peers.TARGETS)}
+    limit = by["one host, 2 ranks"]
+    assert (limit["value"], limit["met"]) == (0.96, True)
+    peer = by["kmp / each peer that runs (images/s)"]
+    assert peer["met"] is False and peer["value"] == 0.8  # mwms was faster on one host
+    assert "1 host/mwms" in peer["measured"]
+    targets = report.targets(result, peers.TARGETS)
+    fp16 = next(t for t in targets if "fp16 compression" in t["name"])
+    assert (fp16["value"], fp16["met"]) == (1.5, False)  # the worst host count counts
+    assert "1gbit/3/" in fp16["measured"]
+    overlap = next(t for t in targets if "overlap" in t["name"])
+    assert (overlap["value"], overlap["met"]) == (1.1, False)
+    md = report.markdown({**result, "targets": targets})
+    assert "| 1gbit | 2 | kmp_fp16_one_bucket | 170.0 | 1.7 |" in md
+
+
+def test_peer_targets_without_a_cluster_say_why():
+    report, peers = _load("peers_report"), _load("peers")
+    result = _peers_result()
+    result["cluster"] = {"skipped": "not root: kmp cluster needs root"}
+    targets = report.targets(result, peers.TARGETS)
+    links = [t for t in targets if t["name"].startswith("1 Gbit/s")]
+    assert len(links) == 2 and all(t["met"] is None for t in links)
+    assert all(t["measured"] == "not root: kmp cluster needs root" for t in links)

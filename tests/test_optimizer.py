@@ -148,12 +148,11 @@ def test_many_ranks_need_the_tensorflow_backend(monkeypatch):
 def test_tf_distribute_strategy_is_refused_with_many_ranks():
     import tensorflow as tf
 
-    opt = wrap_optimizer(keras.optimizers.SGD())
     with (
         tf.distribute.MirroredStrategy(["/cpu:0"]).scope(),
         pytest.raises(RuntimeError, match=r"do not also use a tf\.distribute strategy"),
     ):
-        opt._check_runtime(2)
+        dist.check_averaging_runtime(2)
 
 
 def test_tf_keras_optimizer_goes_to_the_keras2_path(monkeypatch):
@@ -618,6 +617,7 @@ def state_job():
         "overflow",
         "accumulate",
         "resume",
+        "buckets",
         env={"HOROVOD_TIMELINE": "DYNAMIC"},
         timeout=600,
     )
@@ -705,6 +705,31 @@ def test_inf_on_one_rank_makes_every_rank_skip_and_halve(state_job):
         assert got["iterations"] == [1, 2, 2, 3]
         assert got["spread"] == 0.0
     assert state_job[0]["overflow"] == state_job[1]["overflow"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@requires_horovod
+def test_gradients_reduced_in_buckets_give_the_one_bucket_result(state_job):
+    for res in state_job:
+        got = res["buckets"]
+        # Gradients of 1024, 128, 512 and 16 bytes: one op, two buckets of >= 200 B, four.
+        assert got["ops"] == {"None": 1, "200": 2, "1": 4}
+        assert got["ops_fp16"] == 2  # buckets are measured in the bytes sent
+        assert got["bucketed_mean"] == [1.5]  # ranks sent 1 and 2
+        assert all(got[f"spread/{b}"] == 0.0 for b in ("None", "200", "1"))
+        assert got["vs_one_bucket"] < 1e-6
+        over = got["overflow"]  # inf on rank 1 in step 3, every gradient its own bucket
+        assert over["skipped"] == [0, 0, 1, 1]
+        assert over["scales"] == [32768.0, 32768.0, 16384.0, 16384.0]
+        assert over["spread"] == 0.0
+        assert got["accumulate_spread/None"] == got["accumulate_spread/200"] == 0.0
+        assert got["accumulate_iterations/200"] == 4
+        assert got["accumulate_vs_one_bucket"] < 1e-6
+        # kmp.xla.jit_gradients: the allreduce runs outside the XLA cluster, on every rank.
+        assert got["xla_spread/True"] == got["xla_spread/False"] == 0.0
+        assert got["xla_vs_plain"] < 1e-4 and got["xla_moved"] > 1e-2
+    assert state_job[0]["buckets"]["overflow"] == state_job[1]["buckets"]["overflow"]
 
 
 @pytest.mark.distributed

@@ -59,6 +59,7 @@ def test_bad_flags_are_clear_errors(data_dir):
         (["--model", "vgg"], "invalid choice: 'vgg'"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),
         (["--steps-per-epoch", "0"], "--steps-per-epoch must be >= 1"),
+        (["--bucket-bytes", "0"], "--bucket-bytes must be >= 1"),
     ]:
         proc = subprocess.run(
             [sys.executable, str(TRAIN), *args],
@@ -89,11 +90,13 @@ def test_resume_after_stopping_part_way(data_dir, tmp_path):
     assert a["loss_scale_end"] != a["loss_scale_start"]  # 8 steps moved it
 
     # Resume on 2 ranks: rank 0 picks the checkpoint and tells rank 1; both continue from it.
-    proc = _train(data_dir, *common, "--summary", str(second), np=2)
+    # ... with XLA for the forward and backward pass, the allreduce outside it.
+    proc = _train(data_dir, *common, "--jit-gradients", "--summary", str(second), np=2)
     b = json.loads(second.read_text())
     assert b["resumed_from"].endswith("ckpt-0002.keras") and b["ranks"] == 2
     assert "resumed from" in proc.stdout
     assert b["weights_max_diff"] == 0.0
+    assert b["xla_traces"] >= 1 and a["xla_traces"] is None
     # Same epoch counter: epoch 3 is the only one trained, and the step counter goes on.
     assert (b["initial_epoch"], b["epochs_run"], b["final_epoch"]) == (2, 1, 3)
     # (the optimizer counts applied updates: 4 steps per epoch minus skipped ones)
@@ -121,12 +124,13 @@ def test_resnet50_two_ranks_few_steps_finite_loss(data_dir, tmp_path):
         data_dir,
         "--model", "resnet50", "--epochs", "1", "--steps-per-epoch", "3", "--batch-size", "4",
         "--image-size", "64", "--compression", "fp16", "--scale-lr", "--warmup-epochs", "1",
-        "--summary", str(summary),
+        "--bucket-bytes", str(4 << 20), "--summary", str(summary),
         np=2,
     )  # fmt: skip
     s = json.loads(summary.read_text())
     assert s["model"] == "resnet50" and s["dataset"] == "kmp_synthetic_images"
     assert s["ranks"] == 2 and s["iterations_end"] == 3
+    assert s["bucket_bytes"] == 4 << 20
     assert math.isfinite(s["final_loss"])
     # Checksums of all 23.5M trainable weights agree across ranks (BatchNormalization moving
     # statistics follow each rank's own batches and are reported apart).

@@ -17,7 +17,12 @@ started as a child process of this one):
 * ``allreduce``: grouped vs per-tensor allreduce with and without fp16/bf16
   compression, and the 2-process weak-scaling efficiency under
   ``horovodrun`` (``bench/allreduce.py``; ``scaling`` is the same part);
-* ``memory``: activation and step memory under each policy (``bench/memory.py``).
+* ``memory``: activation and step memory under each policy (``bench/memory.py``);
+* ``peers``: kmp against Horovod's ``DistributedGradientTape``,
+  ``MultiWorkerMirroredStrategy`` and two independent processes (the limit) on
+  one host, and on 2-3 ``kmp cluster`` hosts over links shaped to 1 and 10
+  Gbit/s with compression and bucketed overlap (``bench/peers.py``; the
+  multi-host half needs root, and ``--quick`` runs the one-host half only).
 
 Each part writes ``NAME.json`` and ``NAME.md`` into the output folder; then
 ``summary.json``, ``summary.md`` (each target, the measured figure, met or
@@ -41,11 +46,11 @@ from types import ModuleType
 
 __all__ = ["ALIASES", "MODELS", "PARTS", "configure", "find_bench_dir", "main", "run"]
 
-PARTS = ("policies", "overhead", "allreduce", "memory")
+PARTS = ("policies", "overhead", "allreduce", "memory", "peers")
 # Other names accepted by --only, and the part that measures them.
 ALIASES = {"scaling": "allreduce", "weak_scaling": "allreduce", "policy": "policies"}
 # The models of bench/models.py, repeated so that the parser needs no import of bench/.
-MODELS = ("digits_cnn", "cnn", "mlp", "resnet50")
+MODELS = ("digits_cnn", "cnn", "mlp", "wide_mlp", "resnet50")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -45,6 +45,7 @@ from kmp._legacy_keras import (
     set_legacy_global_policy,
 )
 from kmp._names import POLICY_NAMES, normalize_compression
+from kmp.distributed.buckets import check_bucket_bytes
 from kmp.learning_rate import scaled_learning_rate
 
 __all__ = [
@@ -203,6 +204,7 @@ def wrap_optimizer(
     compression: Any = None,
     backward_passes_per_step: int = 1,
     scale_lr: bool = False,
+    bucket_bytes: int | None = None,
     keras_module: ModuleType | None = None,
 ) -> Any:
     """Wrap a tf-keras optimizer as ``LossScaleOptimizer(hvd.DistributedOptimizer(opt))``.
@@ -238,6 +240,8 @@ def wrap_optimizer(
             (and averaged) before one allreduce and update.
         scale_lr: Multiply the learning rate by the number of ranks (in place,
             before wrapping; a schedule cannot be scaled here).
+        bucket_bytes: Only None: Horovod's Keras layer reduces the gradients itself,
+            without kmp's buckets.
         keras_module: ``tf_keras``; None takes the optimizer's own module.
 
     Returns:
@@ -276,6 +280,11 @@ def wrap_optimizer(
     rule = _tf_keras_rule(loss_scale, knobs, km)
     passes = _checks.check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
     _checks.check_bool("scale_lr", scale_lr)
+    if check_bucket_bytes(bucket_bytes) is not None:
+        raise ValueError(
+            f"bucket_bytes={bucket_bytes} is not available on the tf-keras path: Horovod's "
+            "Keras layer reduces the gradients itself. Leave bucket_bytes out (or pass None)."
+        )
     from kmp import distributed
 
     comp = _check_compression(compression)

@@ -37,6 +37,7 @@ from kmp.distributed.collectives import (
     barrier,
     broadcast_object,
     broadcast_variables,
+    check_averaging_runtime,
     grouped_allreduce,
     payload_bytes,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "broadcast_variables",
+    "check_averaging_runtime",
     "grouped_allreduce",
     "init",
     "is_chief",

@@ -10,15 +10,18 @@ what the engine sees. The accepted reduction and compression names are those of
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kmp._checks import check_int
 from kmp._names import normalize_compression, normalize_reduce_op
 from kmp.distributed import _horovod
+from kmp.distributed.buckets import check_bucket_bytes, overlap_warning, plan_buckets
 from kmp.distributed.world import _engine, _ensure
 
 __all__ = [
+    "check_averaging_runtime",
     "allgather",
     "allreduce",
     "barrier",
@@ -95,6 +98,36 @@ def payload_bytes(tensors: Iterable[Any], compression: str | None = None) -> int
         item = 2 if comp and dtype.kind == "f" else dtype.itemsize
         total += count * item
     return total
+
+
+def check_averaging_runtime(world_size: int) -> None:
+    """Check that gradients can be averaged over ``world_size`` ranks here.
+
+    The one rule for where kmp's optimizers average gradients: any Keras backend
+    in a world of one; with several ranks, the TensorFlow backend (Horovod's
+    collectives are TensorFlow ops) and no ``tf.distribute`` strategy in force.
+
+    Raises:
+        RuntimeError: Several ranks on another backend, or inside a strategy's scope.
+    """
+    if world_size == 1:
+        return
+    import keras
+
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise RuntimeError(
+            f"{world_size} Horovod ranks are running, but kmp averages gradients only on the "
+            f"TensorFlow backend (Horovod's collectives are TensorFlow ops) and KERAS_BACKEND "
+            f"is {backend!r}. Set KERAS_BACKEND=tensorflow, or run one process."
+        )
+    import tensorflow as tf
+
+    if tf.distribute.has_strategy():
+        raise RuntimeError(
+            "kmp.wrap_optimizer averages gradients with Horovod; do not also use a "
+            "tf.distribute strategy. Build and fit the model outside strategy.scope()."
+        )
 
 
 # --------------------------------------------------------------- collectives
@@ -194,9 +227,12 @@ def allreduce(x: Any, op: str = "average", compression: str | None = None) -> An
 
 
 def grouped_allreduce(
-    tensors: Sequence[Any], op: str = "average", compression: str | None = None
+    tensors: Sequence[Any],
+    op: str = "average",
+    compression: str | None = None,
+    bucket_bytes: int | None = None,
 ) -> list[Any]:
-    """Reduce several tensors across all ranks in one fused Horovod operation.
+    """Reduce several tensors across all ranks in fused Horovod operations.
 
     ``None`` entries are passed through. Sparse gradients (``tf.IndexedSlices``)
     are densified first. With ``compression="fp16"`` floating tensors go through
@@ -207,20 +243,29 @@ def grouped_allreduce(
     ranks, growing with the number of ranks (prefer ``"fp16"`` beyond a few).
     Results keep each input's dtype.
 
+    Without ``bucket_bytes`` all tensors go in one fused operation, which waits
+    for the last of them. With it they are reduced in buckets of about that
+    many bytes (as sent, after compression), last tensor first, each bucket its
+    own fused operation (:func:`kmp.distributed.buckets.plan_buckets`): inside a
+    ``tf.function`` a bucket starts as soon as its tensors exist, so the last
+    layers' gradients travel while the backward pass computes the first ones.
+
     Args:
         tensors: The tensors to reduce, in the same order on every rank.
         op: One of :data:`kmp._names.REDUCE_OPS`.
         compression: ``None``, ``"fp16"`` or ``"bf16"``.
+        bucket_bytes: Bytes per bucket, or None for a single fused operation.
 
     Returns:
         A list of reduced tensors (the inputs themselves in a single process).
 
     Raises:
-        TypeError: ``op`` or ``compression`` of the wrong type.
-        ValueError: An unknown ``op`` or ``compression``.
+        TypeError: ``op``, ``compression`` or ``bucket_bytes`` of the wrong type.
+        ValueError: An unknown ``op`` or ``compression``, or ``bucket_bytes`` below 1.
     """
     op = normalize_reduce_op(op)
     comp = normalize_compression(compression)
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
     tensors = list(tensors)
     hvd = _engine()
     if hvd is None:
@@ -231,10 +276,16 @@ def grouped_allreduce(
     import tensorflow as tf
 
     dense = [tf.convert_to_tensor(_as_tf_variable(tensors[i])) for i in idx]
-    reduced = _horovod.grouped_allreduce(hvd, dense, op, comp)
+    sizes = [payload_bytes([t], comp) for t in dense]
     result = list(tensors)
-    for i, r in zip(idx, reduced, strict=True):
-        result[i] = r
+    plan = plan_buckets(sizes, bucket_bytes)
+    message = overlap_warning(len(plan), tf.config.threading.get_inter_op_parallelism_threads())
+    if message:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    for bucket in plan:
+        reduced = _horovod.grouped_allreduce(hvd, [dense[j] for j in bucket], op, comp)
+        for j, r in zip(bucket, reduced, strict=True):
+            result[idx[j]] = r
     return result
 
 

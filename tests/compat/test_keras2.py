@@ -223,6 +223,10 @@ def test_bad_wrap_arguments(one_process):
         keras2.wrap_optimizer(sgd, growth_interval=0)
     with pytest.raises(ValueError, match="compression='bf16' is not available"):
         keras2.wrap_optimizer(sgd, compression="bf16")
+    with pytest.raises(ValueError, match="bucket_bytes=4096 is not available on the tf-keras"):
+        keras2.wrap_optimizer(sgd, bucket_bytes=4096)
+    with pytest.raises(TypeError, match="bucket_bytes"):
+        keras2.wrap_optimizer(sgd, bucket_bytes="4k")
     with pytest.raises(ValueError, match="Unknown compression"):
         keras2.wrap_optimizer(sgd, compression="zip")
     with pytest.raises(TypeError, match="compression must be"):

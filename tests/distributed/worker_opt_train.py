@@ -373,8 +373,87 @@ def resume() -> dict:
     }
 
 
+def _grouped_ops(tensors: list, **kwargs) -> int:
+    """How many Horovod grouped allreduce ops one traced call of grouped_allreduce makes."""
+    graph = tf.function(lambda: dist.grouped_allreduce(tensors, **kwargs)).get_concrete_function()
+    return sum(op.type == "HorovodGroupedAllreduce" for op in graph.graph.get_operations())
+
+
+def buckets() -> dict:
+    """bucket_bytes: ops per plan, same weights as one bucket, overflow and accumulation."""
+    x, y = make_data(700 + RANK, 64)
+    out: dict = {}
+    # Gradient sizes of build_model: 1024, 128, 512, 16 bytes (float32).
+    grads = [tf.ones(v.shape) * (RANK + 1) for v in build_model("float32", 0).trainable_variables]
+    out["ops"] = {str(b): _grouped_ops(grads, bucket_bytes=b) for b in (None, 200, 1)}
+    out["ops_fp16"] = _grouped_ops(grads, bucket_bytes=200, compression="fp16")
+    reduced = dist.grouped_allreduce(grads, bucket_bytes=1)
+    out["bucketed_mean"] = sorted({float(np.unique(r.numpy())[0]) for r in reduced})
+    weights = {}
+    start = None
+    for b in (None, 200, 1):
+        model = build_model("float32", seed=9)
+        same_start(model)
+        start = start or model.get_weights()
+        model.set_weights(start)
+        opt = wrap_optimizer(keras.optimizers.Adam(1e-2), bucket_bytes=b)
+        compile_fit(model, opt, x, y, epochs=2, batch=16, shuffle=False)
+        weights[str(b)] = model.get_weights()
+        out[f"spread/{b}"] = rank_spread(model.get_weights())
+    out["vs_one_bucket"] = max(max_diff(weights[k], weights["None"]) for k in ("200", "1"))
+    # An overflow on rank 1 only, with every gradient in its own bucket.
+    xo = x.copy()
+    if RANK == 1:
+        xo[32:48] = 1e30
+    model = build_model("mixed_float16", seed=6)
+    same_start(model)
+    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), bucket_bytes=1)
+    rec = Recorder(opt)
+    compile_fit(model, opt, xo, y, epochs=1, batch=16, shuffle=False, callbacks=[rec])
+    out["overflow"] = {
+        "skipped": [row["skipped"] for row in rec.rows],
+        "scales": [row["scale"] for row in rec.rows],
+        "spread": rank_spread(model.get_weights()),
+    }
+    # Accumulation and fp16 compression with buckets == without buckets.
+    acc = {}
+    for b in (None, 200):
+        model = build_model("float32", seed=8)
+        model.set_weights(start)
+        opt = wrap_optimizer(
+            keras.optimizers.Adam(1e-2), backward_passes_per_step=2, compression="fp16",
+            bucket_bytes=b,
+        )  # fmt: skip
+        compile_fit(model, opt, x, y, epochs=1, batch=8, shuffle=False)
+        acc[str(b)] = model.get_weights()
+        out[f"accumulate_spread/{b}"] = rank_spread(model.get_weights())
+        out[f"accumulate_iterations/{b}"] = int(opt.iterations)
+    out["accumulate_vs_one_bucket"] = max_diff(acc["200"], acc["None"])
+    # XLA for forward and backward (kmp.xla), the bucketed allreduce outside it.
+    from kmp.xla import jit_gradients
+
+    xla = {}
+    for jit in (False, True):
+        model = build_model("float32", seed=9)
+        model.set_weights(start)
+        model.compile(
+            optimizer=wrap_optimizer(keras.optimizers.Adam(1e-2), bucket_bytes=200),
+            loss="sparse_categorical_crossentropy",
+            jit_compile=False,
+        )
+        if jit:
+            jit_gradients(model)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        xla[jit] = model.get_weights()
+        out[f"xla_spread/{jit}"] = rank_spread(model.get_weights())
+    out["xla_vs_plain"] = max_diff(xla[True], xla[False])
+    out["xla_moved"] = max_diff(xla[True], start)
+    return out
+
+
 SECTIONS = {
-    f.__name__: f for f in (identical, concat, loop, compression, overflow, accumulate, resume)
+    f.__name__: f
+    for f in (identical, concat, loop, compression, overflow, accumulate, resume, buckets)
 }
 
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 from kmp import _checks
 from kmp import loss_scale as _ls
 from kmp._names import normalize_compression
+from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from kmp.learning_rate import scaled_learning_rate
 
 __all__ = ["DistributedOptimizer", "broadcast_global_variables", "distributed_optimizer"]
@@ -45,7 +46,8 @@ class DistributedOptimizer(_v1.train.Optimizer):
 
     Create it with :func:`distributed_optimizer`. One training step runs, in
     this order: scale the loss; compute the gradients with the wrapped
-    optimizer; average them over all ranks with one grouped Horovod allreduce;
+    optimizer; average them over all ranks with grouped Horovod allreduces (in
+    buckets of ``bucket_bytes``, last variable first);
     unscale; check that every gradient is finite (all ranks see the same
     averaged values, so they all decide alike); apply them, or skip the step;
     then move the scale by :func:`kmp.loss_scale.update`, the rule every kmp
@@ -55,6 +57,7 @@ class DistributedOptimizer(_v1.train.Optimizer):
         optimizer: The wrapped ``tf.compat.v1.train`` optimizer.
         rule: The :class:`kmp.loss_scale.LossScale` to follow.
         compression: None, ``"fp16"`` or ``"bf16"``.
+        bucket_bytes: Bytes per allreduce bucket; None: one grouped allreduce.
         name: Name of the wrapper.
     """
 
@@ -64,6 +67,7 @@ class DistributedOptimizer(_v1.train.Optimizer):
         rule: _ls.LossScale,
         *,
         compression: str | None,
+        bucket_bytes: int | None = None,
         name: str | None = None,
     ) -> None:
         super().__init__(
@@ -71,6 +75,7 @@ class DistributedOptimizer(_v1.train.Optimizer):
         )
         self._optimizer = optimizer
         self._compression = compression
+        self._bucket_bytes = check_bucket_bytes(bucket_bytes)
         self._rule = rule
         self._state_vars: dict[Any, _ls.ScaleState] = {}  # graph -> the rule's variables
         self._track_trackable(optimizer, "base_optimizer")
@@ -155,7 +160,9 @@ class DistributedOptimizer(_v1.train.Optimizer):
         grads_and_vars = self._optimizer.compute_gradients(loss, var_list=var_list, **kwargs)
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
-        averaged = distributed.grouped_allreduce(grads, op="average", compression=self._compression)
+        averaged = distributed.grouped_allreduce(
+            grads, op="average", compression=self._compression, bucket_bytes=self._bucket_bytes
+        )
         if scaling:
             inverse = 1.0 / scale
             averaged = [_scale_grad(g, inverse) for g in averaged]
@@ -279,6 +286,7 @@ def distributed_optimizer(
     min_scale: float = NOT_GIVEN,
     max_scale: float = NOT_GIVEN,
     hysteresis: int = NOT_GIVEN,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     name: str | None = None,
 ) -> DistributedOptimizer:
     """Wrap a ``tf.compat.v1.train`` optimizer with Horovod averaging and loss scaling.
@@ -310,6 +318,10 @@ def distributed_optimizer(
         max_scale: The highest scale (default ``2**24``).
         hysteresis: Overflowing steps in a row skipped before the scale backs off
             (default 1).
+        bucket_bytes: Reduce the gradients in buckets of about this many bytes, last
+            variable first, so that they travel while the rest are computed (default
+            :data:`kmp.distributed.buckets.DEFAULT_BUCKET_BYTES`); None: one grouped
+            allreduce.
         name: Name of the wrapper (default ``"Distributed" + optimizer name``).
 
     Returns:
@@ -335,12 +347,15 @@ def distributed_optimizer(
         hysteresis=hysteresis,
     )
     comp = normalize_compression(compression)
+    bucket_bytes = check_bucket_bytes(bucket_bytes)
     _checks.check_bool("scale_lr", scale_lr)
     if scale_lr:
         from kmp import distributed
 
         _scale_learning_rate(tf1_optimizer, distributed.size())
-    return DistributedOptimizer(tf1_optimizer, rule, compression=comp, name=name)
+    return DistributedOptimizer(
+        tf1_optimizer, rule, compression=comp, bucket_bytes=bucket_bytes, name=name
+    )
 
 
 def broadcast_global_variables(root: int = 0) -> Any:
