@@ -71,8 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def launcher_rank() -> tuple[int, int]:
-    """(rank, size) as the launcher announced them; (0, 1) without one."""
-    return int(os.environ.get("HOROVOD_RANK", 0)), int(os.environ.get("HOROVOD_SIZE", 1))
+    """(rank, size) as horovodrun announced them; (0, 1) without a launcher."""
+    from kmp._launcher_env import launched_world_size
+
+    return int(os.environ.get("HOROVOD_RANK", 0)), launched_world_size() or 1
 
 
 # ---------------------------------------------------------------------- data
@@ -80,8 +82,6 @@ def launcher_rank() -> tuple[int, int]:
 
 def digits(rank: int, size: int):
     """Train shard of this rank and the whole test split, images in [0, 1]."""
-    import numpy as np
-
     from kmp.datasets.digits import load_arrays, split_indices
 
     images, labels = load_arrays()
@@ -89,7 +89,7 @@ def digits(rank: int, size: int):
     labels = labels.astype("int32")
     train, test = split_indices(labels)
     mine = train[rank::size]
-    return (images[mine], labels[mine]), (images[test], labels[test]), np.int64(len(train))
+    return (images[mine], labels[mine]), (images[test], labels[test])
 
 
 def dataset(args: argparse.Namespace, rank: int, size: int, batch: int):
@@ -98,7 +98,7 @@ def dataset(args: argparse.Namespace, rank: int, size: int, batch: int):
     import tensorflow as tf
 
     if args.model == "digits_cnn":
-        (x, y), test, _ = digits(rank, size)
+        (x, y), test = digits(rank, size)
         steps = len(x) // batch  # the same on every rank: shards differ by one at most
         data = (
             tf.data.Dataset.from_tensor_slices((x, y))

@@ -10,9 +10,9 @@ multi-rank job fails. :func:`jit_gradients` splits the step instead::
 
 The gradients leave the XLA cluster all at once, so they cannot be reduced in
 buckets while the backward pass runs: XLA and overlap exclude each other. Whether
-XLA pays depends on the model and the CPU (``bench/scaling.py`` measures it;
-docs/performance.md has the figures): dense layers gained, the digits CNN's
-convolutions lost on the CPUs measured.
+XLA pays depends on the model, the CPU and the threading (``bench/peers.py``
+measures it; docs/performance.md has the figures): in the final run here it lost
+on both the digits CNN and the dense ``wide_mlp``.
 """
 
 from __future__ import annotations

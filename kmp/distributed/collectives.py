@@ -21,15 +21,15 @@ from kmp.distributed.buckets import check_bucket_bytes, overlap_warning, plan_bu
 from kmp.distributed.world import _engine, _ensure
 
 __all__ = [
-    "check_averaging_runtime",
     "allgather",
     "allreduce",
     "barrier",
     "broadcast_object",
     "broadcast_variables",
-    "unique_variables",
+    "check_averaging_runtime",
     "grouped_allreduce",
     "payload_bytes",
+    "unique_variables",
 ]
 
 
@@ -247,8 +247,10 @@ def grouped_allreduce(
     for the last of them. With it they are reduced in buckets of about that
     many bytes (as sent, after compression), last tensor first, each bucket its
     own fused operation (:func:`kmp.distributed.buckets.plan_buckets`): inside a
-    ``tf.function`` a bucket starts as soon as its tensors exist, so the last
-    layers' gradients travel while the backward pass computes the first ones.
+    ``tf.function`` with two or more inter-op threads a bucket starts as soon as
+    its tensors exist, so the last layers' gradients travel while the backward
+    pass computes the first ones (with one inter-op thread TensorFlow starts them
+    only after it, and a warning says so).
 
     Args:
         tensors: The tensors to reduce, in the same order on every rank.

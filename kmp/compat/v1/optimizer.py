@@ -67,7 +67,7 @@ class DistributedOptimizer(_v1.train.Optimizer):
         rule: _ls.LossScale,
         *,
         compression: str | None,
-        bucket_bytes: int | None = None,
+        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         name: str | None = None,
     ) -> None:
         super().__init__(
