@@ -16,11 +16,10 @@ __all__ = ["INSTALL_HINTS", "optional_import", "is_available"]
 # Module name -> how to install it.
 INSTALL_HINTS: dict[str, str] = {
     "horovod": (
-        "Horovod 0.28.1 must be compiled against your TensorFlow: run `bash launch/setup.sh` "
-        "in a kmp checkout (it builds Horovod with TensorFlow ops and Gloo into .venv/), or "
-        "`HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 pip install --no-build-isolation "
-        "'kmp[horovod]'` (TensorFlow >= 2.19 needs the xla_mpi_ops.cc fix that "
-        "launch/setup.sh applies)"
+        "Horovod 0.28.1 must be compiled against your TensorFlow: run `kmp install-horovod` "
+        "(it builds it against the TensorFlow in this environment, with NCCL on NVIDIA GPUs "
+        "and the TensorFlow >= 2.19 source fix, and checks the result; `--dry-run` shows the "
+        "plan), or `bash launch/setup.sh` in a kmp checkout"
     ),
     "tensorflow": "pip install 'kmp[tensorflow]'  (or: pip install tensorflow-cpu==2.21.0)",
     "tensorflow_datasets": "pip install 'kmp[datasets]'",

@@ -1,4 +1,4 @@
-"""The ``kmp`` program: ``kmp doctor | audit | launch | bench``.
+"""The ``kmp`` program: ``kmp doctor | audit | launch | bench | cluster | install-horovod``.
 
 Each subcommand lives in :mod:`kmp.commands` as parser / command / main; this
 module only gathers them under one parser and dispatches.
@@ -25,10 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kmp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
+        module_name = f"kmp.commands.{name.replace('-', '_')}"
         try:
-            module = importlib.import_module(f"kmp.commands.{name}")
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:  # a command not shipped in this build
-            if exc.name != f"kmp.commands.{name}":
+            if exc.name != module_name:
                 raise
             continue
         cmd_parser = sub.add_parser(name, help=help_text, description=help_text)

@@ -10,20 +10,22 @@
 #      `kmp cluster`), openmpi-bin and libopenmpi-dev (Horovod's MPI controller).
 #      KMP_SYSTEM_PACKAGES=0 skips this step; without root it is skipped with a note.
 #   1. .venv/ with Python 3.11 (python3.11, else python3 if it is 3.11).
-#   2. The pinned packages of requirements.txt, then kmp itself (editable).
-#   3. Horovod 0.28.1 compiled from its source distribution against the
-#      TensorFlow in .venv/, with TensorFlow ops and Gloo (and MPI when
-#      OpenMPI's mpicxx is on PATH). horovod/tensorflow/xla_mpi_ops.cc is left
-#      out of the build: it does not compile against TensorFlow >= 2.19 and only
-#      provides Horovod's XLA (jit_compile) op registrations.
-# A stamp file records what was installed; a second run with nothing changed
-# only checks that horovod.tensorflow still loads.
+#   2. The install plan (kmp/commands/install_plan.py, standard library only): NVIDIA GPUs
+#      (nvidia-smi) or KMP_DEVICE=cuda mean tensorflow[and-cuda]==2.21.0 and Horovod with
+#      NCCL; otherwise tensorflow-cpu==2.21.0. `kmp install-horovod --dry-run` prints it.
+#   3. The plan's TensorFlow and the pinned packages of requirements.txt, then kmp itself
+#      (editable).
+#   4. `kmp install-horovod`: Horovod 0.28.1 compiled against that TensorFlow (TensorFlow
+#      ops, Gloo, MPI when OpenMPI's mpicxx is on PATH, NCCL on GPUs, the TensorFlow >= 2.19
+#      source fix), verified, and its wheel cached in ~/.cache/kmp (KMP_CACHE_DIR) so that
+#      another checkout on this machine installs it in seconds.
+# A stamp file records what was installed (the plan included); a second run with nothing
+# changed only checks that the installed Horovod still loads with the planned flags.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
-HOROVOD_VERSION=0.28.1
 STAMP="$VENV/.kmp-setup-stamp"
 log() { printf '[setup] %s\n' "$*" >&2; }
 # pip, without the notes about local index folders that some machines configure.
@@ -45,23 +47,10 @@ find_python() {
 }
 
 want_stamp() {
-  # Everything that decides what is installed.
-  cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16
-  command -v mpicxx >/dev/null 2>&1 && echo mpi || echo nompi
-}
-
-horovod_ok() {
-  local want_mpi=0
-  command -v mpicxx >/dev/null 2>&1 && want_mpi=1
-  KMP_WANT_MPI=$want_mpi "$PY" - <<'PY' 2>/dev/null
-import os
-import horovod, horovod.tensorflow as hvd
-from horovod.tensorflow import mpi_ops  # loads the compiled TF ops
-assert horovod.__version__ == "0.28.1", horovod.__version__
-assert hvd.gloo_built()
-# Built with MPI exactly when OpenMPI is installed (a later install triggers a rebuild).
-assert hvd.mpi_built() == (os.environ["KMP_WANT_MPI"] == "1")
-PY
+  # Everything that decides what is installed: the files and the plan.
+  cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" \
+    "$ROOT/kmp/commands/install_plan.py" | sha256sum | cut -c1-16
+  echo "$PLAN"
 }
 
 system_packages() {
@@ -103,11 +92,22 @@ if [ ! -x "$PY" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 
+# The plan needs only the standard library: it runs before anything is installed.
+PLAN="$(PYTHONPATH="$ROOT" "$PY" -m kmp.commands.install_horovod --summary)"
+TF_REQ="$(printf '%s\n' $PLAN | sed -n 's/^tensorflow=//p')"
+log "plan: $PLAN"
+
 if [ "${KMP_SETUP_FORCE:-0}" = 1 ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$(want_stamp)" ]; then
   t0=$SECONDS
-  log "installing pinned packages (requirements.txt)"
+  log "installing $TF_REQ and the pinned packages (requirements.txt)"
   pip_q install -q --disable-pip-version-check --upgrade pip==25.0.1
-  pip_q install -q --disable-pip-version-check -r "$ROOT/requirements.txt"
+  # tensorflow-cpu and tensorflow both provide the `tensorflow` package: keep only the plan's.
+  other=tensorflow-cpu; case "$TF_REQ" in tensorflow-cpu*) other=tensorflow;; esac
+  if "$PY" -m pip show -q "$other" >/dev/null 2>&1; then
+    log "removing $other (the plan installs $TF_REQ)"
+    pip_q uninstall -q -y "$other"
+  fi
+  pip_q install -q --disable-pip-version-check "$TF_REQ" -r "$ROOT/requirements.txt"
   # tf-keras (Keras 2, for TF_USE_LEGACY_KERAS=1) without its dependencies: they would
   # pull the full `tensorflow` wheel over tensorflow-cpu; everything it needs is there.
   pip_q install -q --disable-pip-version-check --no-deps tf-keras==2.21.0
@@ -115,38 +115,8 @@ if [ "${KMP_SETUP_FORCE:-0}" = 1 ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" !
   log "packages installed in $((SECONDS - t0)) s"
 fi
 
-if ! horovod_ok; then
-  t0=$SECONDS
-  BUILD="$VENV/build"
-  rm -rf "$BUILD"; mkdir -p "$BUILD"
-  log "fetching the horovod==$HOROVOD_VERSION source distribution"
-  pip_q download -q --disable-pip-version-check --no-binary :all: --no-deps \
-    -d "$BUILD" "horovod==$HOROVOD_VERSION"
-  tar -xzf "$BUILD/horovod-$HOROVOD_VERSION.tar.gz" -C "$BUILD"
-  SRC="$BUILD/horovod-$HOROVOD_VERSION"
-  CML="$SRC/horovod/tensorflow/CMakeLists.txt"
-  # Drop the XLA op file from the TensorFlow sources (see the header above).
-  sed -i 's#"\${PROJECT_SOURCE_DIR}/horovod/tensorflow/xla_mpi_ops.cc"##' "$CML"
-  if grep -q 'xla_mpi_ops.cc' "$CML"; then
-    log "could not remove xla_mpi_ops.cc from $CML; the Horovod sources changed?"; exit 1
-  fi
-  if command -v mpicxx >/dev/null 2>&1; then mpi="HOROVOD_WITH_MPI=1"; else mpi="HOROVOD_WITHOUT_MPI=1"; fi
-  log "compiling Horovod (TensorFlow ops, Gloo, $mpi); this takes a few minutes"
-  # The compiler's output goes to the terminal on failure.
-  if ! env HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
-      HOROVOD_WITH_GLOO=1 "$mpi" HOROVOD_CPU_OPERATIONS=gloo \
-      MAKEFLAGS="-j$(nproc)" PATH="$VENV/bin:$PATH" \
-      "$PY" -m pip install --disable-pip-version-check --no-build-isolation --no-cache-dir \
-      --no-deps "$SRC" >"$BUILD/build.log" 2>&1; then
-    grep -nE 'error|Error' "$BUILD/build.log" | head -40 >&2 || true
-    tail -60 "$BUILD/build.log" >&2
-    log "Horovod build FAILED; full log: $BUILD/build.log"; exit 1
-  fi
-  if ! horovod_ok; then
-    "$PY" -c 'import horovod.tensorflow.mpi_ops' || true
-    log "Horovod installed but horovod.tensorflow does not load"; exit 1
-  fi
-  log "Horovod built in $((SECONDS - t0)) s"
-fi
+# Builds (or installs the cached wheel of) Horovod only when the installed one does not
+# match the plan; its output says which.
+"$VENV/bin/kmp" install-horovod
 want_stamp > "$STAMP"
 log "environment ready: $VENV"

@@ -9,6 +9,7 @@ KEYS = {
     "python",
     "platform",
     "tensorflow",
+    "tensorflow_build",
     "keras",
     "horovod",
     "tensorflow_datasets",
@@ -16,6 +17,7 @@ KEYS = {
     "tf_keras",
     "hardware",
     "policy",
+    "warnings",
 }
 
 
@@ -36,6 +38,11 @@ def test_doctor_json_reports_stack():
     hvd = info["horovod"]
     assert hvd["installed"] and hvd["tensorflow_ops"] and hvd["gloo"], hvd
     assert hvd["version"] == "0.28.1"
+    # setup.sh installs Horovod through kmp install-horovod, which records what it was built on.
+    assert hvd["built_against"] == f"tensorflow-cpu=={info['tensorflow']}"
+    tf = info["tensorflow_build"]
+    assert tf["distribution"] == "tensorflow-cpu" and tf["cuda"] is False and tf["gpus"] == 0
+    assert info["warnings"] == []
     assert set(info["hardware"]["cpu"]) == {"model", "cores", "avx512_bf16", "amx", "avx512_fp16"}
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split()
@@ -56,7 +63,7 @@ def test_doctor_without_horovod_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod.tensorflow", None)
     facts = doctor._horovod_facts()
     assert facts["tensorflow_ops"] is False
-    assert "launch/setup.sh" in facts["install"]
+    assert "kmp install-horovod" in facts["install"]
     text = doctor.format_report({**doctor.collect(), "horovod": facts})
     assert "NOT usable" in text and "install:" in text
 

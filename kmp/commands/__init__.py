@@ -6,7 +6,8 @@ Each module is split as parser / command / main:
 * ``run(args) -> int`` does the work and returns the exit status;
 * ``main(argv=None) -> int`` parses ``argv`` and calls ``run`` (``python -m kmp.commands.X``).
 
-:mod:`kmp.cli` collects them under one ``kmp`` program.
+:mod:`kmp.cli` collects them under one ``kmp`` program; a command's module is its
+name with ``-`` spelled ``_`` (``install-horovod``: :mod:`kmp.commands.install_horovod`).
 """
 
 COMMANDS: dict[str, str] = {
@@ -15,4 +16,8 @@ COMMANDS: dict[str, str] = {
     "launch": "Run a training script on N processes under horovodrun.",
     "bench": "Run kmp's benchmarks and write bench/results/.",
     "cluster": "Make a multi-host cluster on this Linux machine (network namespaces, sshd).",
+    "install-horovod": (
+        "Build Horovod 0.28.1 against this environment's TensorFlow (NCCL on GPUs), cached "
+        "and verified."
+    ),
 }

@@ -5,10 +5,14 @@
 * ``kmp``, ``python``, ``platform``: versions / platform string;
 * ``tensorflow``, ``tensorflow_datasets``, ``jax``, ``tf_keras``: version or null;
 * ``keras``: ``{"version", "backend"}``;
+* ``tensorflow_build``: ``{"distribution", "version", "cuda", "gpus", "error"}`` (the
+  wheel, whether it is built with CUDA, how many GPUs it sees), or null without TensorFlow;
 * ``horovod``: ``{"installed", "version", "tensorflow_ops", "gloo", "mpi", "nccl",
-  "error", "install"}`` (``error`` and ``install`` are null when Horovod loads);
+  "built_against", "error", "install"}`` (``error`` and ``install`` are null when Horovod
+  loads; ``built_against`` is the TensorFlow ``kmp install-horovod`` built it against);
 * ``hardware``: :meth:`kmp.hardware.Hardware.to_dict`;
-* ``policy``: ``{"auto", "reason"}``, the policy ``kmp.enable("auto")`` picks here.
+* ``policy``: ``{"auto", "reason"}``, the policy ``kmp.enable("auto")`` picks here;
+* ``warnings``: ``[{"code", "problem", "fix"}]`` from :func:`kmp.commands.doctor_checks.diagnose`.
 """
 
 from __future__ import annotations
@@ -30,9 +34,29 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _tensorflow_facts() -> dict | None:
+    from kmp.commands.build_record import installed_tensorflow
+
+    found = installed_tensorflow()
+    if found is None:
+        return None
+    facts: dict = {"distribution": found[0], "version": found[1], "cuda": None, "gpus": 0}
+    facts["error"] = None
+    try:
+        import tensorflow as tf
+
+        facts["cuda"] = bool(tf.test.is_built_with_cuda())
+        facts["gpus"] = len(tf.config.list_physical_devices("GPU"))
+    except Exception as exc:  # a broken TensorFlow is reported, not fatal
+        facts["error"] = f"{type(exc).__name__}: {exc}"
+    return facts
+
+
 def _horovod_facts() -> dict:
     from kmp._imports import INSTALL_HINTS
+    from kmp.commands import build_record
 
+    record = build_record.read()
     facts: dict = {
         "installed": False,
         "version": _version("horovod"),
@@ -40,6 +64,7 @@ def _horovod_facts() -> dict:
         "gloo": False,
         "mpi": False,
         "nccl": False,
+        "built_against": record.get("tensorflow") if build_record.is_current(record) else None,
         "error": None,
         "install": None,
     }
@@ -68,15 +93,17 @@ def collect() -> dict:
 
     from kmp import hardware
     from kmp._version import __version__
+    from kmp.commands.doctor_checks import diagnose
     from kmp.policy import choose_policy
 
     hw = hardware.detect()
     auto, reason = choose_policy(hw)
-    return {
+    info = {
         "kmp": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "tensorflow": _version("tensorflow") or _version("tensorflow-cpu"),
+        "tensorflow_build": _tensorflow_facts(),
         "keras": {"version": keras.__version__, "backend": keras.backend.backend()},
         "horovod": _horovod_facts(),
         "tensorflow_datasets": _version("tensorflow-datasets"),
@@ -85,10 +112,20 @@ def collect() -> dict:
         "hardware": hw.to_dict(),
         "policy": {"auto": auto, "reason": reason},
     }
+    info["warnings"] = [f.to_dict() for f in diagnose(info)]
+    return info
 
 
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
+
+
+def _tf_detail(info: dict) -> str:
+    tf = info.get("tensorflow_build")
+    if not tf:
+        return ""
+    cuda = "unknown" if tf["cuda"] is None else _yes(tf["cuda"])
+    return f"  ({tf['distribution']}, CUDA: {cuda}, GPUs seen: {tf['gpus']})"
 
 
 def format_report(info: dict) -> str:
@@ -98,7 +135,7 @@ def format_report(info: dict) -> str:
     lines = [
         f"kmp                 {info['kmp']}",
         f"Python              {info['python']}  ({info['platform']})",
-        f"TensorFlow          {info['tensorflow'] or 'not installed'}",
+        f"TensorFlow          {info['tensorflow'] or 'not installed'}{_tf_detail(info)}",
         f"Keras               {info['keras']['version']}  (backend: {info['keras']['backend']})",
         f"tensorflow-datasets {info['tensorflow_datasets'] or 'not installed'}",
         f"JAX                 {info['jax'] or 'not installed'}",
@@ -127,6 +164,11 @@ def format_report(info: dict) -> str:
         lines.append("GPU                 none")
     lines.append(f"TPU                 {_yes(hw['tpu'])}")
     lines.append(f"auto policy         {info['policy']['auto']}: {info['policy']['reason']}")
+    warnings = info.get("warnings") or []
+    lines.append(f"warnings            {len(warnings) or 'none'}")
+    for w in warnings:
+        lines.append(f"  WARNING: {w['problem']}")
+        lines.append(f"      fix: {w['fix']}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,204 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kmp.commands import build_record, cuda_toolkit, install_horovod
+from kmp.commands import install_plan as ip
+from kmp.hardware import CPU, Hardware
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kmp(*args, env=None, python=sys.executable, flags=()):
+    full = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [python, *flags, "-m", "kmp.commands.install_horovod", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=full,
+        cwd=ROOT,
+    )
+
+
+def test_dry_run_with_kmp_device_cuda_prints_the_gpu_plan():
+    r = _kmp("--dry-run", env={"KMP_DEVICE": "cuda"})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "tensorflow[and-cuda]==2.21.0" in out
+    assert "HOROVOD_GPU_OPERATIONS=NCCL" in out and "HOROVOD_NCCL_LINK=SHARED" in out
+    assert "drop xla_mpi_ops.cc" in out
+    # This machine has tensorflow-cpu and no CUDA toolkit: the plan says what to do first.
+    assert "before it can build:" in out and "pip uninstall -y tensorflow-cpu" in out
+    assert "NCCL needs the CUDA toolkit" in out
+
+
+def test_dry_run_json_on_this_cpu_machine(tmp_path):
+    r = _kmp("--dry-run", "--json", env={"KMP_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["device"] == "cpu" and plan["tensorflow"] == "tensorflow-cpu==2.21.0"
+    assert "HOROVOD_GPU_OPERATIONS" not in plan["build_env"]
+    assert plan["mpi"] == bool(build_record.python_facts().mpicxx)
+    assert plan["problems"] == [] and plan["cached_wheel"] is None
+    assert plan["cache_key"].startswith("horovod-0.28.1-cp311-")
+
+
+def test_a_bad_kmp_device_is_refused_before_anything_runs():
+    r = _kmp("--dry-run", env={"KMP_DEVICE": "gpu"})
+    assert r.returncode == 2
+    assert "KMP_DEVICE must be one of cpu, cuda; got 'gpu'" in r.stderr
+
+
+def test_the_summary_needs_only_the_standard_library():
+    # setup.sh runs it before anything is installed: no site-packages at all (-S).
+    r = _kmp("--summary", python=sys.executable, flags=("-S",), env={"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("device=cpu tensorflow=tensorflow-cpu==2.21.0 horovod=0.28.1")
+
+
+def test_cache_root_follows_the_environment(tmp_path):
+    assert install_horovod.cache_root({"KMP_CACHE_DIR": str(tmp_path)}) == tmp_path
+    xdg = install_horovod.cache_root({"XDG_CACHE_HOME": "/x"})
+    assert xdg == Path("/x/kmp")
+    assert install_horovod.cache_root({}) == Path.home() / ".cache" / "kmp"
+
+
+def test_store_and_find_a_cached_wheel(tmp_path):
+    built = tmp_path / "build" / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+    built.parent.mkdir()
+    built.write_bytes(b"wheel bytes")
+    root = tmp_path / "cache"
+    assert install_horovod.cached_wheel(root, "k1") is None
+    kept = install_horovod.store_wheel(root, "k1", built)
+    assert kept == root / "wheels" / "k1" / built.name and kept.read_bytes() == b"wheel bytes"
+    assert install_horovod.cached_wheel(root, "k1") == kept
+    assert install_horovod.cached_wheel(root, "k2") is None
+    assert [p.name for p in kept.parent.iterdir()] == [built.name]  # no temporary left
+
+
+def _facts(**kw):
+    base = dict(
+        python="/env/bin/python",
+        prefix="/env",
+        tensorflow="tensorflow-cpu==2.21.0",
+        tensorflow_version="2.21.0",
+        mpicxx="/usr/bin/mpicxx",
+        compiler="/usr/bin/c++",
+    )
+    return build_record.PythonFacts(**{**base, **kw})
+
+
+def test_problems_say_what_to_do():
+    cpu_plan = ip.plan_install(Hardware(cpu=CPU()), mpi_available=True)
+    assert install_horovod.problems(cpu_plan, _facts(), None) == []
+    (no_tf,) = install_horovod.problems(cpu_plan, _facts(tensorflow=None), None)
+    assert "no TensorFlow" in no_tf and "pip install 'tensorflow-cpu==2.21.0'" in no_tf
+    (no_mpi,) = install_horovod.problems(cpu_plan, _facts(mpicxx=None), None)
+    assert "apt-get install openmpi-bin libopenmpi-dev" in no_mpi and "--no-mpi" in no_mpi
+    (no_cxx,) = install_horovod.problems(cpu_plan, _facts(compiler=None), None)
+    assert "apt-get install g++" in no_cxx
+    gpu_plan = ip.plan_install(Hardware(), device="cuda", mpi=False)
+    cpu_tf, no_cuda = install_horovod.problems(gpu_plan, _facts(), None)
+    assert "CPU-only" in cpu_tf and "tensorflow[and-cuda]==2.21.0" in cpu_tf
+    assert "--gpu none" in no_cuda
+
+
+def test_verify_the_installed_build_against_plans():
+    facts = build_record.python_facts()
+    plan = ip.plan_install(Hardware(), mpi_available=bool(facts.mpicxx))
+    bad, loaded = build_record.verify(sys.executable, plan)  # horovodrun --check-build too
+    assert bad == [] and loaded["loaded"] and loaded["version"] == "0.28.1"
+    assert loaded["tensorflow"] == facts.tensorflow_version
+    nccl_plan = ip.plan_install(Hardware(), device="cuda", mpi=bool(facts.mpicxx))
+    bad, _ = build_record.verify(sys.executable, nccl_plan, check_build=False)
+    assert bad == ["Horovod was built without NCCL"]
+
+
+def test_the_build_record_follows_the_installed_library(tmp_path):
+    lib = tmp_path / "mpi_lib.so"
+    lib.write_bytes(b"x" * 10)
+    st = lib.stat()
+    loaded = {"library": {"path": str(lib), "size": st.st_size, "mtime_ns": st.st_mtime_ns}}
+    plan = ip.plan_install(Hardware())
+    facts = _facts(prefix=str(tmp_path))
+    path = build_record.write("key-1", plan, facts, loaded)
+    assert path == tmp_path / "share" / "kmp" / "horovod-build.json"
+    record = build_record.read(str(tmp_path))
+    assert record["key"] == "key-1" and record["tensorflow"] == "tensorflow-cpu==2.21.0"
+    assert build_record.is_current(record)
+    lib.write_bytes(b"y" * 11)  # another build replaced the library
+    assert not build_record.is_current(record)
+    assert build_record.read(str(tmp_path / "none")) is None
+    assert not build_record.is_current(None)
+
+
+def test_a_record_under_another_key_means_a_rebuild(tmp_path):
+    facts = build_record.python_facts()
+    plan = ip.plan_install(Hardware(), mpi_available=bool(facts.mpicxx))
+    loaded = build_record.up_to_date("any-key", plan, facts)  # the real record: ours differs
+    assert loaded is None
+    record = build_record.read()
+    assert record is not None and build_record.up_to_date(record["key"], plan, facts)["loaded"]
+
+
+@pytest.fixture
+def no_system_cuda(monkeypatch):
+    monkeypatch.setattr(cuda_toolkit, "SYSTEM_HOMES", ())
+    monkeypatch.setattr(cuda_toolkit, "SYSTEM_NCCL", ())
+
+
+def _toolkit_tree(tmp_path, nccl_in_wheel=True):
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    (home / "bin" / "nvcc").write_text("#!/bin/sh\n")
+    (home / "bin" / "nvcc").chmod(0o755)
+    (home / "include").mkdir()
+    (home / "include" / "cuda_runtime_api.h").write_text("#define CUDART_VERSION 12040\n")
+    site = tmp_path / "site"
+    if nccl_in_wheel:
+        (site / "nvidia" / "nccl" / "include").mkdir(parents=True)
+        (site / "nvidia" / "nccl" / "lib").mkdir()
+        (site / "nvidia" / "nccl" / "include" / "nccl.h").write_text("#define NCCL_MAJOR 2\n")
+        (site / "nvidia" / "nccl" / "lib" / "libnccl.so.2").write_bytes(b"")
+    return home, site
+
+
+def test_cuda_toolkit_found_with_nccl_from_the_wheel(tmp_path, no_system_cuda):
+    home, site = _toolkit_tree(tmp_path)
+    tk = cuda_toolkit.find({"CUDA_HOME": str(home), "PATH": ""}, str(site))
+    assert tk is not None and tk.home == str(home) and tk.version == "12.4"
+    assert tk.nccl_source == "wheel" and tk.nccl_lib == str(site / "nvidia" / "nccl" / "lib")
+    assert "CUDA 12.4" in tk.describe()
+    env = cuda_toolkit.build_env(tk, tmp_path / "work")
+    assert env["HOROVOD_CUDA_HOME"] == str(home)
+    assert env["HOROVOD_NCCL_INCLUDE"] == str(site / "nvidia" / "nccl" / "include")
+    link = Path(env["HOROVOD_NCCL_LIB"]) / "libnccl.so"  # the linker's name for the library
+    assert link.is_symlink() and os.readlink(link).endswith("libnccl.so.2")
+
+
+def test_nvcc_on_the_path_finds_its_toolkit(tmp_path, no_system_cuda):
+    home, site = _toolkit_tree(tmp_path)
+    tk = cuda_toolkit.find({"PATH": str(home / "bin")}, str(site))
+    assert tk is not None and Path(tk.home).resolve() == home.resolve()
+
+
+def test_no_nvcc_or_no_nccl_means_no_gpu_build(tmp_path, no_system_cuda):
+    home, site = _toolkit_tree(tmp_path, nccl_in_wheel=False)
+    assert cuda_toolkit.find({"CUDA_HOME": str(home), "PATH": ""}, str(site)) is None
+    home, site = _toolkit_tree(tmp_path / "2")
+    assert cuda_toolkit.find({"PATH": ""}, str(site)) is None  # no toolkit anywhere
+    (home / "bin" / "nvcc").unlink()
+    assert cuda_toolkit.find({"CUDA_HOME": str(home), "PATH": ""}, str(site)) is None
+
+
+@pytest.mark.parametrize("header, version", [("12090", "12.9"), ("11080", "11.8")])
+def test_cuda_version_from_the_header(tmp_path, header, version):
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION {header}\n")
+    assert cuda_toolkit.cuda_version(str(tmp_path)) == version
+    assert cuda_toolkit.cuda_version(str(tmp_path / "missing")) is None
