@@ -202,3 +202,14 @@ def test_cuda_version_from_the_header(tmp_path, header, version):
     (tmp_path / "include" / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION {header}\n")
     assert cuda_toolkit.cuda_version(str(tmp_path)) == version
     assert cuda_toolkit.cuda_version(str(tmp_path / "missing")) is None
+
+
+def test_setup_sh_leaves_the_build_to_kmp_install_horovod():
+    lines = (ROOT / "launch" / "setup.sh").read_text().splitlines()
+    text = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+    assert '"$VENV/bin/kmp" install-horovod' in text and "install_horovod --summary" in text
+    # One home for the build: no build variables, source download or patch in the script.
+    for word in ("HOROVOD_WITH", "pip_q download", "xla_mpi_ops", "tensorflow-cpu=="):
+        assert word not in text, word
+    pins = (ROOT / "requirements.txt").read_text().splitlines()
+    assert not [p for p in pins if p.startswith(("tensorflow=", "tensorflow-cpu", "tensorflow["))]

@@ -228,8 +228,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     mpi = parser.add_mutually_exclusive_group()
     mpi.add_argument("--mpi", dest="mpi", action="store_true", default=None, help="build MPI in")
     mpi.add_argument("--no-mpi", dest="mpi", action="store_false", help="build without MPI")
-    parser.add_argument("--force", action="store_true", help="rebuild even if Horovod matches")
-    parser.add_argument("--no-cache", action="store_true", help="neither use nor fill the cache")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="reinstall even if the installed Horovod matches (from the cache if it has it)",
+    )
+    parser.add_argument(
+        "--no-cache", action="store_true", help="compile, neither using nor filling the cache"
+    )
     parser.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     parser.add_argument(
         "--summary", action="store_true", help="print the plan's one-line summary only"
