@@ -34,7 +34,7 @@ def test_dry_run_with_kmp_device_cuda_prints_the_gpu_plan():
     assert "drop xla_mpi_ops.cc" in out
     # This machine has tensorflow-cpu and no CUDA toolkit: the plan says what to do first.
     assert "before it can build:" in out and "pip uninstall -y tensorflow-cpu" in out
-    assert "NCCL needs the CUDA toolkit" in out
+    assert "NCCL needs a CUDA toolkit (nvcc) and NCCL" in out and "no NCCL (looked in" in out
 
 
 def test_dry_run_json_on_this_cpu_machine(tmp_path):
@@ -179,6 +179,20 @@ def test_cuda_toolkit_found_with_nccl_from_the_wheel(tmp_path, no_system_cuda):
     assert env["HOROVOD_NCCL_INCLUDE"] == str(site / "nvidia" / "nccl" / "include")
     link = Path(env["HOROVOD_NCCL_LIB"]) / "libnccl.so"  # the linker's name for the library
     assert link.is_symlink() and os.readlink(link).endswith("libnccl.so.2")
+    # Found at run time relative to Horovod's library, in whichever environment has the wheel.
+    assert env["LDFLAGS"] == "-Wl,-rpath,$ORIGIN/../../nvidia/nccl/lib"
+    kept = cuda_toolkit.build_env(tk, tmp_path / "work", {"LDFLAGS": "-O1"})
+    assert kept["LDFLAGS"] == "-O1 -Wl,-rpath,$ORIGIN/../../nvidia/nccl/lib"
+    assert cuda_toolkit.describe_env(tk)["LDFLAGS"] == env["LDFLAGS"]
+    assert cuda_toolkit.warnings(tk) == []  # CUDA 12, like TensorFlow's wheels
+
+
+def test_a_toolkit_of_another_cuda_major_is_a_warning(tmp_path, no_system_cuda):
+    home, site = _toolkit_tree(tmp_path)
+    (home / "include" / "cuda_runtime_api.h").write_text("#define CUDART_VERSION 13000\n")
+    tk = cuda_toolkit.find({"CUDA_HOME": str(home), "PATH": ""}, str(site))
+    (warning,) = cuda_toolkit.warnings(tk)
+    assert "13.0" in warning and "CUDA 12" in warning and "driver" in warning
 
 
 def test_nvcc_on_the_path_finds_its_toolkit(tmp_path, no_system_cuda):
@@ -190,6 +204,15 @@ def test_nvcc_on_the_path_finds_its_toolkit(tmp_path, no_system_cuda):
 def test_no_nvcc_or_no_nccl_means_no_gpu_build(tmp_path, no_system_cuda):
     home, site = _toolkit_tree(tmp_path, nccl_in_wheel=False)
     assert cuda_toolkit.find({"CUDA_HOME": str(home), "PATH": ""}, str(site)) is None
+    said = cuda_toolkit.missing({"CUDA_HOME": str(home), "PATH": ""}, str(site))
+    assert said.startswith("CUDA 12.4 toolkit at") and "no NCCL (looked in" in said
+    said = cuda_toolkit.missing({"PATH": ""}, str(site))
+    assert "no CUDA toolkit with nvcc" in said and "bring no nvcc" in said
+    # A folder with an nvcc wrapper script but no CUDA headers is not a toolkit.
+    wrapper = tmp_path / "wrapper"
+    (wrapper / "bin").mkdir(parents=True)
+    (wrapper / "bin" / "nvcc").write_text('#!/bin/sh\nexec /elsewhere/nvcc "$@"\n')
+    assert cuda_toolkit.find_parts({"CUDA_HOME": str(wrapper), "PATH": ""}, str(site))[0] is None
     home, site = _toolkit_tree(tmp_path / "2")
     assert cuda_toolkit.find({"PATH": ""}, str(site)) is None  # no toolkit anywhere
     (home / "bin" / "nvcc").unlink()

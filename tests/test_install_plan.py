@@ -78,14 +78,54 @@ def test_gpu_none_and_mpi_flags_are_followed():
     assert nccl_on_cpu.gpu_operations == "NCCL" and nccl_on_cpu.mpi
 
 
-def test_the_xla_fix_applies_from_tensorflow_2_19():
-    assert not ip.needs_xla_fix("2.18.1")
-    assert (
-        ip.needs_xla_fix("2.19.0") and ip.needs_xla_fix("2.21.0") and ip.needs_xla_fix("2.22.0rc1")
-    )
-    assert not ip.plan_install(CPU_BOX, tensorflow_version="2.17.1").xla_fix
-    assert ip.plan_install(CPU_BOX).xla_fix
-    assert ip.plan_install(CPU_BOX).to_dict()["patch"] == ip.XLA_FIX
+def test_source_fixes_from_tensorflow_2_19_and_the_gpu_one_only_for_gpu_builds():
+    assert ip.source_fixes("2.18.1", gpu=True) == ()
+    assert ip.source_fixes("2.19.0", gpu=False) == ("xla-ops",)
+    assert ip.source_fixes("2.21.0", gpu=True) == ("xla-ops", "gpu-stream")
+    assert ip.source_fixes("2.22.0rc1", gpu=False) == ("xla-ops",)
+    assert ip.plan_install(CPU_BOX, tensorflow_version="2.17.1").fixes == ()
+    assert ip.plan_install(CPU_BOX).fixes == ("xla-ops",)
+    assert ip.plan_install(H200_BOX).fixes == ("xla-ops", "gpu-stream")
+    assert ip.plan_install(CPU_BOX).to_dict()["fixes"] == {"xla-ops": ip.XLA_FIX}
+
+
+def test_gpu_kernels_are_built_for_the_gpus_found():
+    mixed = Hardware(gpus=(GPU("A100", (8, 0)), GPU("H200", (9, 0)), GPU("A100", (8, 0))))
+    assert ip.plan_install(mixed).build_env["HOROVOD_BUILD_CUDA_CC_LIST"] == "80,90"
+    # Described as cuda without GPUs: Horovod's default, every architecture nvcc knows.
+    assert "HOROVOD_BUILD_CUDA_CC_LIST" not in ip.plan_install(CPU_BOX, device="cuda").build_env
+    assert "HOROVOD_BUILD_CUDA_CC_LIST" not in ip.plan_install(H200_BOX, gpu="none").build_env
+
+
+MPI_OPS_CC = """#if HAVE_GPU
+#include <cuda_runtime.h>
+using GpuStreamHandle = cudaStream_t;
+// Forward declaration of AsGpuStreamValue
+namespace stream_executor {
+namespace gpu {
+GpuStreamHandle AsGpuStreamValue(Stream* stream);
+} // namespace stream_executor
+} // namespace gpu
+#if TENSORFLOW_VERSION >= 2011000000
+#include "tensorflow/compiler/xla/stream_executor/stream.h"
+#else
+#include "tensorflow/stream_executor/stream.h"
+#endif // TENSORFLOW_VERSION >= 2011000000
+#endif // HAVE_GPU
+  auto stream = stream_executor::gpu::AsGpuStreamValue(device_context->stream());
+  auto other = (c != nullptr) ? stream_executor::gpu::AsGpuStreamValue(c->stream()) : 0;
+"""
+
+
+def test_patch_gpu_stream_uses_the_stream_handle():
+    patched = ip.fix_source("gpu-stream", MPI_OPS_CC)
+    assert "AsGpuStreamValue(" not in patched.replace("// kmp: TensorFlow >= 2.19 does not", "")
+    assert patched.count("KmpGpuStream(") == 3  # the definition and both calls
+    helper = patched.index("static inline GpuStreamHandle KmpGpuStream")
+    assert patched.index("stream_executor/stream.h") < helper < patched.index("#endif // HAVE_GPU")
+    assert "platform_specific_handle().stream" in patched
+    with pytest.raises(ValueError, match="not its sources"):
+        ip.patch_gpu_stream(patched)
 
 
 def test_patch_cmakelists_removes_only_the_xla_source():
@@ -94,7 +134,7 @@ def test_patch_cmakelists_removes_only_the_xla_source():
         f"{ip.XLA_OPS_LINE}\n"
         "add_library(${TF_TARGET_LIB} SHARED ${SOURCES} ${TF_SOURCES})\n"
     )
-    patched = ip.patch_cmakelists(text)
+    patched = ip.fix_source("xla-ops", text)
     assert "xla_mpi_ops.cc" not in patched and "mpi_ops.cc" in patched
     assert patched.count("\n") == 2
     with pytest.raises(ValueError, match=r"not Horovod 0\.28\.1's sources"):

@@ -116,15 +116,18 @@ def build_wheel(
     with tarfile.open(workdir / f"horovod-{plan.horovod}.tar.gz") as tar:
         tar.extractall(workdir, filter="data")
     src = workdir / f"horovod-{plan.horovod}"
-    if plan.xla_fix:
-        cml = src / "horovod" / "tensorflow" / "CMakeLists.txt"
-        cml.write_text(ip.patch_cmakelists(cml.read_text()))
+    for fix in plan.fixes:
+        path = src / ip.SOURCE_FIXES[fix][0]
+        path.write_text(ip.fix_source(fix, path.read_text()))
+        _log(f"source fix {fix}: {ip.SOURCE_FIXES[fix][0]}")
     env = dict(os.environ)
     env.update(plan.build_env)
     if cuda is not None:
-        env.update(cuda_toolkit.build_env(cuda, workdir / "cuda-home"))
+        env.update(cuda_toolkit.build_env(cuda, workdir / "cuda-links", os.environ))
+        # Horovod tries the nvcc on the PATH before HOROVOD_CUDA_HOME's: put the chosen first.
+        env["PATH"] = os.pathsep.join([str(Path(cuda.home) / "bin"), env.get("PATH", "")])
     env["MAKEFLAGS"] = f"-j{os.cpu_count() or 1}"
-    env["PATH"] = os.pathsep.join([str(Path(python).parent), env.get("PATH", "")])
+    env["PATH"] = os.pathsep.join([str(Path(python).parent), env.get("PATH", "")])  # cmake
     flags = " ".join(f"{k}={v}" for k, v in sorted(plan.build_env.items()))
     _log(f"compiling Horovod ({flags}); this takes a few minutes")
     wheels = workdir / "wheels"
@@ -175,9 +178,8 @@ def problems(plan: ip.InstallPlan, facts: build_record.PythonFacts, cuda) -> lis
         found.append("no C++ compiler (c++, g++) on the PATH: apt-get install g++")
     if plan.gpu_operations and cuda is None:
         found.append(
-            "NCCL needs the CUDA toolkit and NCCL: none found in $CUDA_HOME, /usr/local/cuda "
-            f"or the nvidia-* wheels. pip install '{plan.tensorflow}' brings them "
-            "(or pass --gpu none for a CPU build)"
+            f"NCCL needs a CUDA toolkit (nvcc) and NCCL: {cuda_toolkit.missing(os.environ)}. "
+            "Or pass --gpu none for a build without GPU collectives"
         )
     return found
 
@@ -189,7 +191,7 @@ def format_plan(plan: ip.InstallPlan, facts, key: str, wheel: Path | None, cuda,
         env.update(
             cuda_toolkit.describe_env(cuda)
             if cuda is not None
-            else {"HOROVOD_CUDA_HOME": "<the CUDA toolkit; not found here>"}
+            else {"HOROVOD_CUDA_HOME": "<a CUDA toolkit; none found here>"}
         )
     lines = [
         f"device              {plan.device} ({plan.reason})",
@@ -199,7 +201,10 @@ def format_plan(plan: ip.InstallPlan, facts, key: str, wheel: Path | None, cuda,
         f"build requirements  {' '.join(ip.BUILD_REQUIREMENTS)}",
         "build variables",
         *(f"    {k}={v}" for k, v in sorted(env.items())),
-        f"patch               {ip.XLA_FIX if plan.xla_fix else 'none (TensorFlow < 2.19)'}",
+        *(
+            [f"source fix          {ip.SOURCE_FIXES[f][1]}" for f in plan.fixes]
+            or ["source fix          none (TensorFlow < 2.19)"]
+        ),
         f"system packages     {' '.join(plan.system_packages) or 'none'}",
         f"CUDA toolkit        {cuda.describe() if cuda is not None else 'NOT FOUND'}"
         if plan.gpu_operations
@@ -208,6 +213,8 @@ def format_plan(plan: ip.InstallPlan, facts, key: str, wheel: Path | None, cuda,
         f"cache key           {key}",
         "verify              horovodrun --check-build; import horovod.tensorflow.mpi_ops",
     ]
+    for warning in cuda_toolkit.warnings(cuda) if cuda is not None else []:
+        lines.append(f"note: {warning}")
     if found:
         lines.append("before it can build:")
         lines.extend(f"  - {p}" for p in found)
@@ -296,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
         build_record.write(key, plan, facts, loaded)
         _log(f"Horovod {plan.horovod} is installed and matches the plan ({plan.summary()})")
         return 0
+    for warning in cuda_toolkit.warnings(cuda) if cuda is not None else []:
+        _log(f"note: {warning}")
     t0 = time.monotonic()
     try:
         if wheel is not None:

@@ -2,8 +2,8 @@
 
 :func:`plan_install` turns the hardware facts (:class:`kmp.hardware.Hardware`)
 and the user's choices into an :class:`InstallPlan`: which TensorFlow wheel,
-which Horovod build variables, whether MPI is built in, and whether the
-TensorFlow >= 2.19 source fix applies. Nothing here touches the machine, so
+which Horovod build variables, whether MPI is built in, and which source fixes
+Horovod 0.28.1 needs against that TensorFlow. Nothing here touches the machine, so
 plans for described hardware are tested directly; :mod:`kmp.commands.install_horovod`
 acts on a plan and ``launch/setup.sh`` follows it.
 
@@ -26,16 +26,20 @@ __all__ = [
     "DEVICES",
     "GPU_OPERATIONS",
     "HOROVOD_VERSION",
+    "SOURCE_FIXES",
+    "TENSORFLOW_CUDA_MAJOR",
     "TENSORFLOW_VERSION",
     "XLA_OPS_LINE",
     "InstallPlan",
     "cache_key",
     "choose_device",
     "device_override",
-    "needs_xla_fix",
+    "fix_source",
     "parse_check_build",
     "patch_cmakelists",
+    "patch_gpu_stream",
     "plan_install",
+    "source_fixes",
     "tensorflow_requirement",
 ]
 
@@ -60,6 +64,18 @@ XLA_FIX = (
     "horovod/tensorflow/CMakeLists.txt: drop xla_mpi_ops.cc from TF_SOURCES (it does not "
     "compile against TensorFlow >= 2.19; it only registers Horovod's XLA ops)"
 )
+GPU_STREAM_FIX = (
+    "horovod/tensorflow/mpi_ops.cc: take the CUDA stream from "
+    "Stream::platform_specific_handle() (TensorFlow >= 2.19 no longer exports "
+    "stream_executor::gpu::AsGpuStreamValue; the GPU build's ops would not load)"
+)
+# Source fix -> (file in the source distribution, what it does).
+SOURCE_FIXES = {
+    "xla-ops": ("horovod/tensorflow/CMakeLists.txt", XLA_FIX),
+    "gpu-stream": ("horovod/tensorflow/mpi_ops.cc", GPU_STREAM_FIX),
+}
+# The CUDA major version of the tensorflow[and-cuda] wheels (nvidia-*-cu12).
+TENSORFLOW_CUDA_MAJOR = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +90,7 @@ class InstallPlan:
         horovod: The Horovod version built from its source distribution.
         gpu_operations: ``"NCCL"`` or None (no GPU collectives).
         mpi: Build MPI in (Gloo is always built).
-        xla_fix: Apply the TensorFlow >= 2.19 source fix (:data:`XLA_FIX`).
+        fixes: The source fixes to apply (keys of :data:`SOURCE_FIXES`).
         build_env: The fixed Horovod build variables (CUDA locations are added
             when the build runs, by :mod:`kmp.commands.cuda_toolkit`).
         system_packages: Debian packages the plan relies on (informational).
@@ -87,7 +103,7 @@ class InstallPlan:
     horovod: str
     gpu_operations: str | None
     mpi: bool
-    xla_fix: bool
+    fixes: tuple[str, ...]
     build_env: Mapping[str, str]
     system_packages: tuple[str, ...] = ()
 
@@ -103,7 +119,7 @@ class InstallPlan:
         out = dataclasses.asdict(self)
         out["build_env"] = dict(self.build_env)
         out["system_packages"] = list(self.system_packages)
-        out["patch"] = XLA_FIX if self.xla_fix else None
+        out["fixes"] = {fix: SOURCE_FIXES[fix][1] for fix in self.fixes}
         out["build_requirements"] = list(BUILD_REQUIREMENTS)
         return out
 
@@ -157,9 +173,20 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def needs_xla_fix(tensorflow_version: str) -> bool:
-    """True when Horovod 0.28.1's xla_mpi_ops.cc does not compile against this TensorFlow."""
-    return _version_tuple(tensorflow_version) >= (2, 19)
+def source_fixes(tensorflow_version: str, *, gpu: bool) -> tuple[str, ...]:
+    """Return the fixes Horovod 0.28.1's sources need against this TensorFlow.
+
+    From TensorFlow 2.19 on, ``xla_mpi_ops.cc`` does not compile (``"xla-ops"``)
+    and, in a GPU build, ``mpi_ops.cc`` calls a function TensorFlow no longer
+    exports (``"gpu-stream"``). Both were found against 2.21.
+    """
+    if _version_tuple(tensorflow_version) < (2, 19):
+        return ()
+    return ("xla-ops", "gpu-stream") if gpu else ("xla-ops",)
+
+
+def _capabilities(hw: Hardware) -> list[tuple[int, int]]:
+    return [g.compute_capability for g in hw.gpus if g.compute_capability >= (3, 0)]
 
 
 def plan_install(
@@ -205,6 +232,9 @@ def plan_install(
     if gpu == "nccl":
         env["HOROVOD_GPU_OPERATIONS"] = "NCCL"
         env["HOROVOD_NCCL_LINK"] = "SHARED"
+        capabilities = sorted({major * 10 + minor for major, minor in _capabilities(hw)})
+        if capabilities:  # kernels for these GPUs only (default: every one nvcc knows)
+            env["HOROVOD_BUILD_CUDA_CC_LIST"] = ",".join(str(c) for c in capabilities)
     packages = ("openmpi-bin", "libopenmpi-dev") if with_mpi else ()
     return InstallPlan(
         device=chosen,
@@ -214,7 +244,7 @@ def plan_install(
         horovod=HOROVOD_VERSION,
         gpu_operations="NCCL" if gpu == "nccl" else None,
         mpi=with_mpi,
-        xla_fix=needs_xla_fix(tensorflow_version),
+        fixes=source_fixes(tensorflow_version, gpu=gpu == "nccl"),
         build_env=env,
         system_packages=packages,
     )
@@ -234,6 +264,49 @@ def patch_cmakelists(text: str) -> str:
             f"not Horovod {HOROVOD_VERSION}'s sources. Build Horovod {HOROVOD_VERSION}."
         )
     return "".join(kept)
+
+
+_STREAM_DECLARATION = (
+    "// Forward declaration of AsGpuStreamValue\n"
+    "namespace stream_executor {\n"
+    "namespace gpu {\n"
+    "GpuStreamHandle AsGpuStreamValue(Stream* stream);\n"
+    "} // namespace stream_executor\n"
+    "} // namespace gpu\n"
+)
+_STREAM_INCLUDE_END = "#endif // TENSORFLOW_VERSION >= 2011000000\n#endif // HAVE_GPU\n"
+_STREAM_HELPER = (
+    "#endif // TENSORFLOW_VERSION >= 2011000000\n"
+    "// kmp: TensorFlow >= 2.19 does not export stream_executor::gpu::AsGpuStreamValue;\n"
+    "// the stream's platform handle is the same CUDA (or HIP) stream.\n"
+    "static inline GpuStreamHandle KmpGpuStream(stream_executor::Stream* stream) {\n"
+    "  return static_cast<GpuStreamHandle>(stream->platform_specific_handle().stream);\n"
+    "}\n"
+    "#endif // HAVE_GPU\n"
+)
+_STREAM_CALL = "stream_executor::gpu::AsGpuStreamValue("
+
+
+def patch_gpu_stream(text: str) -> str:
+    """Return horovod/tensorflow/mpi_ops.cc with its GPU streams taken from the stream handle.
+
+    Raises:
+        ValueError: The code to change is not there (not Horovod 0.28.1's sources).
+    """
+    if _STREAM_DECLARATION not in text or _STREAM_INCLUDE_END not in text:
+        raise ValueError(
+            "horovod/tensorflow/mpi_ops.cc does not declare AsGpuStreamValue as Horovod "
+            f"{HOROVOD_VERSION} does: these are not its sources. Build Horovod {HOROVOD_VERSION}."
+        )
+    text = text.replace(_STREAM_DECLARATION, "", 1)
+    text = text.replace(_STREAM_INCLUDE_END, _STREAM_HELPER, 1)
+    return text.replace(_STREAM_CALL, "KmpGpuStream(")
+
+
+def fix_source(fix: str, text: str) -> str:
+    """Apply the source fix ``fix`` (a key of :data:`SOURCE_FIXES`) to its file's text."""
+    transforms = {"xla-ops": patch_cmakelists, "gpu-stream": patch_gpu_stream}
+    return transforms[fix](text)
 
 
 def cache_key(
@@ -260,7 +333,7 @@ def cache_key(
         "python": python_tag,
         "platform": platform_tag,
         "build_env": dict(sorted(plan.build_env.items())),
-        "xla_fix": plan.xla_fix,
+        "fixes": list(plan.fixes),
         "cuda": cuda_version,
     }
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
