@@ -16,12 +16,30 @@ import os
 from collections.abc import Mapping
 
 __all__ = [
+    "COORDINATOR_VAR",
+    "ENGINE_VAR",
+    "JAX_TIMEOUT_VAR",
+    "LAUNCH_RANK_VARS",
     "LAUNCH_SIZE_VARS",
     "LOCAL_RANK_VARS",
+    "LOCAL_SIZE_VARS",
+    "launched_coordinator",
     "launched_elastic",
+    "launched_engine",
+    "launched_jax_timeout",
+    "launched_rank",
     "launched_world_size",
+    "launcher_cross",
     "launcher_local_rank",
+    "launcher_local_size",
 ]
+
+# Set by `kmp launch --engine E` for every process: which engine runs the collectives, and
+# (JAX) the coordinator's host:port and how long to wait for every process to join.
+ENGINE_VAR = "KMP_ENGINE"
+COORDINATOR_VAR = "KMP_COORDINATOR"
+JAX_TIMEOUT_VAR = "KMP_JAX_TIMEOUT"
+ENGINE_NAMES = ("horovod", "jax")
 
 # Environment variables through which launchers announce the world size, in the
 # order they are checked: horovodrun (Gloo), Open MPI, MPICH / Intel MPI, MVAPICH.
@@ -31,6 +49,28 @@ LAUNCH_SIZE_VARS: tuple[str, ...] = (
     "PMI_SIZE",
     "MV2_COMM_WORLD_SIZE",
 )
+
+# ... the global rank (the JAX engine's process id), in the same order plus SLURM srun.
+LAUNCH_RANK_VARS: tuple[str, ...] = (
+    "HOROVOD_RANK",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "MV2_COMM_WORLD_RANK",
+    "SLURM_PROCID",
+)
+
+# ... the number of processes on this host.
+LOCAL_SIZE_VARS: tuple[str, ...] = (
+    "HOROVOD_LOCAL_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "MPI_LOCALNRANKS",
+    "MV2_COMM_WORLD_LOCAL_SIZE",
+    "SLURM_NTASKS_PER_NODE",
+)
+
+# ... which host this is and how many hosts there are (horovodrun).
+CROSS_RANK_VARS: tuple[str, ...] = ("HOROVOD_CROSS_RANK",)
+CROSS_SIZE_VARS: tuple[str, ...] = ("HOROVOD_CROSS_SIZE",)
 
 # Environment variables through which launchers announce the local rank, in the
 # order they are checked: horovodrun, Open MPI, MPICH / Intel MPI, MVAPICH, SLURM srun.
@@ -149,3 +189,98 @@ def launcher_local_rank(environ: Mapping[str, str] | None = None) -> int | None:
             "GPU yourself, pass kmp.configure_gpus(visible=) an explicit GPU index)."
         ),
     )
+
+
+def launched_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """Return the global rank a launcher announced (:data:`LAUNCH_RANK_VARS`), or None.
+
+    Raises:
+        ValueError: The first variable set is not a non-negative integer.
+    """
+    return _first_int(
+        environ,
+        LAUNCH_RANK_VARS,
+        minimum=0,
+        meaning="a rank",
+        hint="unset it, or start the job with kmp launch, horovodrun or mpirun, which set it.",
+    )
+
+
+def launcher_local_size(environ: Mapping[str, str] | None = None) -> int | None:
+    """Return the number of processes on this host a launcher announced, or None.
+
+    Raises:
+        ValueError: The first variable set is not a positive integer.
+    """
+    return _first_int(
+        environ,
+        LOCAL_SIZE_VARS,
+        minimum=1,
+        meaning="a local size",
+        hint="unset it, or start the job with kmp launch, horovodrun or mpirun, which set it.",
+    )
+
+
+def launched_engine(environ: Mapping[str, str] | None = None) -> str | None:
+    """Return the engine ``kmp launch --engine`` chose (``KMP_ENGINE``), or None when unset.
+
+    Raises:
+        ValueError: ``KMP_ENGINE`` is set to an unknown engine.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(ENGINE_VAR, "").strip().lower()
+    if not value:
+        return None
+    if value not in ENGINE_NAMES:
+        raise ValueError(
+            f"{ENGINE_VAR}={env[ENGINE_VAR]!r} is not an engine; use one of "
+            f"{', '.join(ENGINE_NAMES)} (kmp launch --engine sets it), or unset it."
+        )
+    return value
+
+
+def launched_coordinator(environ: Mapping[str, str] | None = None) -> str | None:
+    """Return the JAX coordinator's ``host:port`` (``KMP_COORDINATOR``), or None when unset.
+
+    Raises:
+        ValueError: It is not ``host:port`` with a port from 1 to 65535.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(COORDINATOR_VAR, "").strip()
+    if not value:
+        return None
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(
+            f"{COORDINATOR_VAR}={value!r} is not host:port (e.g. 10.0.0.1:29500); kmp launch "
+            "--engine jax sets it to the first host and a free port."
+        )
+    return value
+
+
+def launched_jax_timeout(environ: Mapping[str, str] | None = None) -> int:
+    """Return how many seconds the JAX engine waits for every process (``KMP_JAX_TIMEOUT``).
+
+    Raises:
+        ValueError: It is set to something other than a positive integer.
+    """
+    found = _first_int(
+        environ,
+        (JAX_TIMEOUT_VAR,),
+        minimum=1,
+        meaning="a number of seconds",
+        hint="unset it (300 s), or give the seconds to wait for every process to join.",
+    )
+    return 300 if found is None else found
+
+
+def launcher_cross(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """Return ``(cross_rank, cross_size)``, which host and how many, as horovodrun said, or None.
+
+    Raises:
+        ValueError: A variable is set to something other than a suitable integer.
+    """
+    hint = "unset it, or start the job with kmp launch or horovodrun, which set it."
+    rank = _first_int(environ, CROSS_RANK_VARS, minimum=0, meaning="a host rank", hint=hint)
+    size = _first_int(environ, CROSS_SIZE_VARS, minimum=1, meaning="a host count", hint=hint)
+    return None if rank is None or size is None else (rank, size)

@@ -254,9 +254,8 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # -------------------------------------------------------------------- apply
 
     def _allreduce(self, grads: list) -> list:
-        world_size = distributed.size()
-        distributed.check_averaging_runtime(world_size)
-        if world_size == 1:
+        distributed.check_averaging_runtime(distributed.size())
+        if not distributed.gradients_need_allreduce():  # one process, or the JAX distribution
             self._payload_bytes = 0
             return grads
         self._payload_bytes = distributed.payload_bytes(grads, self.compression)
@@ -350,7 +349,13 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ops.cond(ops.equal(self._micro_step, n - 1), last, not_last)
 
     def stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list):
-        """Functional :meth:`apply` for JAX (one process): returns new variable values."""
+        """Functional :meth:`apply` for JAX: returns new variable values.
+
+        On the JAX engine the gradients arrive averaged over every process
+        (Keras's ``DataParallel`` distribution computes them on the global
+        batch), so they are checked and applied as they are, and every process
+        takes the same skip decision.
+        """
         if not self.built:
             raise ValueError(
                 "Build the optimizer before stateless_apply: "

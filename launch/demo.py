@@ -51,6 +51,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--policy", default="auto", help="the policy to demonstrate")
     p.add_argument(
+        "--engine",
+        choices=("horovod", "jax"),
+        default="horovod",
+        help="horovod (TensorFlow backend) or jax (Keras's JAX backend, JAX's runtime)",
+    )
+    p.add_argument(
         "--compare",
         default="default",
         help="comparison policy: float32, mixed_bfloat16, mixed_float16, none, or default "
@@ -82,6 +88,7 @@ def run_training(args, policy: str, out: Path, label: str) -> dict:
         script_args,
         controller="gloo" if args.np > 1 else None,
         environ={k: v for k, v in os.environ.items() if k != "KMP_POLICY"},
+        engine=args.engine,
     )
     env = {**os.environ, **plan.env, "TF_CPP_MIN_LOG_LEVEL": os.environ.get(
         "TF_CPP_MIN_LOG_LEVEL", "2")}  # fmt: skip

@@ -579,6 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "policy": choice.name,
         "policy_reason": choice.reason,
         "ranks": world.size,
+        "engine": world.engine,
         "batch_size_per_rank": args.batch_size,
         "steps_per_epoch": steps,
         "resumed_from": path,

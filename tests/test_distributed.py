@@ -315,7 +315,14 @@ def test_init_under_a_launcher_passes_horovods_local_rank_to_configure_gpus(
     w = dist.init()
     assert hvd.initialised
     assert w == dist.World(
-        rank=3, size=4, local_rank=1, local_size=2, horovod=True, cross_rank=1, cross_size=2
+        rank=3,
+        size=4,
+        local_rank=1,
+        local_size=2,
+        horovod=True,
+        cross_rank=1,
+        cross_size=2,
+        engine="horovod",
     )
     assert dist.uses_horovod() and not dist.is_chief() and dist.size() == 4
     assert fake.calls == [

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import keras
 
+from kmp import distributed
 from kmp._checks import check_bool, check_choice, check_int
 from kmp.callbacks._ranks import _is_chief, _to_float
 
@@ -308,9 +309,11 @@ class AtomicCheckpoint(keras.callbacks.Callback):
                 f"{sorted(logs)} ({exc!r}); use only those names in the template."
             ) from exc
         if self.save_weights_only:
-            atomic_save(path, self.model.save_weights)
+            with distributed.alone():  # the chief saves without the other processes
+                atomic_save(path, self.model.save_weights)
         else:
-            atomic_save(path, self.model.save)
+            with distributed.alone():
+                atomic_save(path, self.model.save)
         self.last_saved = path
         self.saved.append(path)
         if self.verbose:

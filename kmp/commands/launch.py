@@ -50,6 +50,7 @@ from kmp.commands.elastic_launch import (
     elastic_args,
     options_from_args,
 )
+from kmp.commands.engine_launch import configure_engine, jax_env, pick_port, port_is_free
 from kmp.commands.hosts import (
     HOST_RE,
     Host,
@@ -162,6 +163,8 @@ def build_command(
     horovodrun: str | None = None,
     environ: Mapping[str, str] | None = None,
     elastic: ElasticOptions | None = None,
+    engine: str = "horovod",
+    coordinator_port: int | None = None,
 ) -> LaunchPlan:
     """Build the command that runs ``script`` on ``np`` processes (pure: starts nothing).
 
@@ -184,6 +187,9 @@ def build_command(
         elastic: Run an elastic job (:mod:`kmp.commands.elastic_launch`); its
             hosts come from host discovery, so ``hosts`` must be None, and
             ``np`` may be None (see :func:`~kmp.commands.elastic_launch.elastic_args`).
+        engine: ``"horovod"`` or ``"jax"`` (:mod:`kmp.commands.engine_launch`:
+            horovodrun starts the processes, which join JAX's runtime).
+        coordinator_port: The JAX coordinator's port (None: a free one).
 
     Returns:
         The :class:`LaunchPlan`.
@@ -213,7 +219,16 @@ def build_command(
             policy = normalize_policy(policy)
         except (TypeError, ValueError) as exc:
             raise LaunchError(f"--policy: {exc}") from None
-    env = forwarded_env(os.environ if environ is None else environ, policy)
+    environ = os.environ if environ is None else environ
+    env = forwarded_env(environ, policy)
+    if engine not in ("horovod", "jax"):
+        raise LaunchError(f"--engine must be horovod or jax, got {engine!r}.")
+    if engine == "jax":
+        if elastic is not None:
+            raise LaunchError("--elastic runs on Horovod's elastic driver: use --engine horovod.")
+        port = pick_port() if coordinator_port is None else coordinator_port
+        free = coordinator_port is None or (isinstance(port, int) and port_is_free(port))
+        env.update(jax_env(hosts, port, environ, port_free=free))
     python = python or sys.executable
     command = [python, str(script_path), *script_args]
     extra: list[str] = []
@@ -365,6 +380,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="network interface(s) the ranks talk over, e.g. eth0 (comma-separated for several)",
     )
     configure_elastic(parser)
+    configure_engine(parser)
     parser.add_argument(
         "--no-preflight",
         action="store_true",
@@ -403,6 +419,8 @@ def run(args: argparse.Namespace) -> int:
             ssh_identity_file=args.ssh_identity_file,
             network_interfaces=args.network_interfaces,
             elastic=elastic,
+            engine=args.engine,
+            coordinator_port=args.coordinator_port,
         )
     except LaunchError as exc:
         print(f"kmp launch: error: {exc}", file=sys.stderr)

@@ -34,13 +34,16 @@ from kmp._names import COMPRESSIONS, REDUCE_OPS, normalize_compression
 from kmp.distributed.collectives import (
     allgather,
     allreduce,
+    alone,
     barrier,
     broadcast_object,
     broadcast_variables,
     check_averaging_runtime,
+    gradients_need_allreduce,
     grouped_allreduce,
     payload_bytes,
 )
+from kmp.distributed.engines import ENGINES
 
 # Imported last on purpose: importing the submodule ``world`` binds it as an attribute
 # of this package, and the function ``world`` imported here must win that name.
@@ -61,15 +64,18 @@ from kmp.distributed.world import (
 
 __all__ = [
     "COMPRESSIONS",
+    "ENGINES",
     "LAUNCH_SIZE_VARS",
     "REDUCE_OPS",
     "World",
     "allgather",
+    "alone",
     "allreduce",
     "barrier",
     "broadcast_object",
     "broadcast_variables",
     "check_averaging_runtime",
+    "gradients_need_allreduce",
     "grouped_allreduce",
     "init",
     "is_chief",

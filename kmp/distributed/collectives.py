@@ -1,8 +1,9 @@
 """Collectives across the ranks of the job, with single-process identities.
 
 Each function checks its arguments, returns its input (or does nothing) in a
-world of one process, and otherwise hands dense TensorFlow tensors to the
-engine, :mod:`kmp.distributed._horovod`. Keras 3 variables are accepted
+world of one process, and otherwise hands the values to the engine: dense
+TensorFlow tensors to :mod:`kmp.distributed._horovod`, host arrays to
+:mod:`kmp.distributed._jax` (whose results are NumPy arrays). Keras 3 variables are accepted
 everywhere a variable is expected; their ``.value`` (the ``tf.Variable``) is
 what the engine sees. The accepted reduction and compression names are those of
 :mod:`kmp._names`.
@@ -10,17 +11,19 @@ what the engine sees. The accepted reduction and compression names are those of
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kmp._checks import check_int
 from kmp._names import normalize_compression, normalize_reduce_op
-from kmp.distributed import _horovod
+from kmp.distributed import _horovod, _jax
 from kmp.distributed.buckets import check_bucket_bytes, overlap_warning, plan_buckets
-from kmp.distributed.world import _engine, _ensure
+from kmp.distributed.world import _engine, _ensure, _jax_engine
 
 __all__ = [
+    "alone",
     "allgather",
     "allreduce",
     "barrier",
@@ -28,6 +31,7 @@ __all__ = [
     "broadcast_variables",
     "check_averaging_runtime",
     "grouped_allreduce",
+    "gradients_need_allreduce",
     "payload_bytes",
     "unique_variables",
 ]
@@ -104,8 +108,9 @@ def check_averaging_runtime(world_size: int) -> None:
     """Check that gradients can be averaged over ``world_size`` ranks here.
 
     The one rule for where kmp's optimizers average gradients: any Keras backend
-    in a world of one; with several ranks, the TensorFlow backend (Horovod's
-    collectives are TensorFlow ops) and no ``tf.distribute`` strategy in force.
+    in a world of one; on the JAX engine, the JAX backend (the distribution
+    averages them); on Horovod, the TensorFlow backend (Horovod's collectives
+    are TensorFlow ops) and no ``tf.distribute`` strategy in force.
 
     Raises:
         RuntimeError: Several ranks on another backend, or inside a strategy's scope.
@@ -115,11 +120,19 @@ def check_averaging_runtime(world_size: int) -> None:
     import keras
 
     backend = keras.backend.backend()
+    if _ensure().engine == "jax":
+        if backend != "jax":
+            raise RuntimeError(
+                f"The JAX engine runs {world_size} processes, but KERAS_BACKEND is {backend!r}; "
+                "set KERAS_BACKEND=jax (kmp launch --engine jax does)."
+            )
+        return
     if backend != "tensorflow":
         raise RuntimeError(
             f"{world_size} Horovod ranks are running, but kmp averages gradients only on the "
             f"TensorFlow backend (Horovod's collectives are TensorFlow ops) and KERAS_BACKEND "
-            f"is {backend!r}. Set KERAS_BACKEND=tensorflow, or run one process."
+            f"is {backend!r}. Set KERAS_BACKEND=tensorflow, or run one process, or use the JAX "
+            "engine (kmp launch --engine jax)."
         )
     import tensorflow as tf
 
@@ -130,11 +143,35 @@ def check_averaging_runtime(world_size: int) -> None:
         )
 
 
+def gradients_need_allreduce() -> bool:
+    """True when kmp's optimizer must average the gradients itself (several Horovod ranks).
+
+    In a world of one there is nothing to average; on the JAX engine Keras's
+    ``DataParallel`` distribution computes the gradients over the global batch,
+    so they arrive averaged and are not reduced a second time.
+    """
+    w = _ensure()
+    return w.size > 1 and w.engine != "jax"
+
+
 # --------------------------------------------------------------- collectives
+
+
+def alone() -> contextlib.AbstractContextManager:
+    """Return a context in which this process works alone (e.g. the chief saving a model).
+
+    On the JAX engine, Keras's distribution is lifted inside it, so variables
+    that Keras creates while saving stay on this process instead of waiting for
+    the others. Elsewhere it changes nothing.
+    """
+    return _jax.alone() if _jax_engine() else contextlib.nullcontext()
 
 
 def barrier() -> None:
     """Block until every process reaches this call (no-op in a single process)."""
+    if _jax_engine():
+        _jax.barrier()
+        return
     hvd = _engine()
     if hvd is None:
         return
@@ -171,10 +208,14 @@ def broadcast_variables(variables: Iterable[Any], root: int = 0) -> Any:
         ValueError: ``root`` is not a rank of this job.
     """
     root = _check_root(root)
+    unique = unique_variables(variables)
+    if _jax_engine():
+        for v, value in zip(unique, _jax.broadcast_values(unique, root), strict=True):
+            v.assign(value)
+        return None
     hvd = _engine()
     if hvd is None:
         return None
-    unique = unique_variables(variables)
     if not unique:
         return None
     import keras
@@ -201,6 +242,8 @@ def broadcast_object(obj: Any, root: int = 0) -> Any:
         ValueError: ``root`` is not a rank of this job.
     """
     root = _check_root(root)
+    if _jax_engine():
+        return _jax.broadcast_object(obj, root)
     hvd = _engine()
     if hvd is None:
         return obj
@@ -269,6 +312,12 @@ def grouped_allreduce(
     comp = normalize_compression(compression)
     bucket_bytes = check_bucket_bytes(bucket_bytes)
     tensors = list(tensors)
+    if _jax_engine():  # host values, outside the step: no compression or buckets to use
+        idx = [i for i, t in enumerate(tensors) if t is not None]
+        result = list(tensors)
+        for i, r in zip(idx, _jax.grouped_allreduce([tensors[i] for i in idx], op), strict=True):
+            result[i] = r
+        return result
     hvd = _engine()
     if hvd is None:
         return tensors
@@ -304,6 +353,11 @@ def allgather(x: Any) -> Any:
     Returns:
         The gathered tensor (``x``, with scalars reshaped to ``[1]``, in a single process).
     """
+    if _jax_engine():
+        import numpy as np
+
+        host = np.asarray(getattr(x, "value", x))
+        return _jax.allgather(host.reshape(1) if host.ndim == 0 else host)
     hvd = _engine()
     if hvd is None:
         from keras import ops

@@ -1,9 +1,11 @@
 """Where this process stands in the job: :func:`init`, the :class:`World` and its accessors.
 
 The state lives here, once per process. :func:`init` reads the launcher's world
-size (through :mod:`kmp._launcher_env`), starts the engine (Horovod, in
-:mod:`kmp.distributed._horovod`) when the job has more than one process, and
-pins this local rank's GPU through :func:`kmp.gpu.configure_gpus`.
+size (through :mod:`kmp._launcher_env`), chooses the engine
+(:func:`kmp.distributed.engines.choose_engine`) and starts it when the job has
+more than one process: Horovod (:mod:`kmp.distributed._horovod`, which then
+pins this local rank's GPU through :func:`kmp.gpu.configure_gpus`) or JAX's
+runtime (:mod:`kmp.distributed._jax`).
 
 Note that the package :mod:`kmp.distributed` re-exports the function
 :func:`world` under the name of this module, so ``kmp.distributed.world`` is the
@@ -17,8 +19,9 @@ import sys
 import warnings
 from types import ModuleType
 
-from kmp._launcher_env import launched_elastic, launched_world_size
-from kmp.distributed import _horovod
+from kmp import _launcher_env as _env
+from kmp.distributed import _horovod, _jax
+from kmp.distributed.engines import choose_engine
 
 __all__ = [
     "World",
@@ -44,10 +47,11 @@ class World:
         size: Number of processes.
         local_rank: Rank among the processes on this host.
         local_size: Number of processes on this host.
-        horovod: True when Horovod is running the collectives; False for a
-            single process started without a launcher.
+        horovod: True when Horovod is running the collectives.
         cross_rank: Which host this is, among the hosts (0 on the first).
         cross_size: Number of hosts.
+        engine: ``"horovod"``, ``"jax"``, or ``"none"`` for a single process
+            started without a launcher.
     """
 
     rank: int
@@ -57,6 +61,7 @@ class World:
     horovod: bool
     cross_rank: int = 0
     cross_size: int = 1
+    engine: str = "none"
 
 
 def _single() -> World:
@@ -69,37 +74,58 @@ class _State:
 
     initialized: bool = False
     hvd: ModuleType | None = None  # horovod.tensorflow once Horovod runs
+    jax: bool = False  # True once the JAX engine runs
     world: World = dataclasses.field(default_factory=_single)
 
 
 _STATE = _State()
 
 
-def init() -> World:
+def init(engine: str = "auto") -> World:
     """Initialise the distributed runtime (idempotent).
 
-    Under ``horovodrun`` / ``mpirun`` this calls ``horovod.tensorflow.init()``
-    and, when TensorFlow sees GPUs, makes only the GPU of this process's local
-    rank visible, with memory growth (with more ranks on the host than GPUs,
-    ranks share GPU ``local_rank % n_gpus`` and a ``RuntimeWarning`` says so;
-    see :func:`kmp.gpu.configure_gpus`). Started without a launcher, or launched
-    as a single process without Horovod installed, it sets up a world of one
+    ``engine`` chooses what carries the collectives when the job has more than
+    one process (see :mod:`kmp.distributed.engines`): ``"horovod"`` (the
+    TensorFlow backend, under ``horovodrun`` / ``mpirun`` / ``kmp launch``),
+    ``"jax"`` (the JAX backend, under ``kmp launch --engine jax``), or
+    ``"auto"``: the launcher's engine, else the Keras backend's.
+
+    With Horovod this calls ``horovod.tensorflow.init()`` and, when TensorFlow
+    sees GPUs, makes only the GPU of this process's local rank visible, with
+    memory growth (with more ranks on the host than GPUs, ranks share GPU
+    ``local_rank % n_gpus`` and a ``RuntimeWarning`` says so; see
+    :func:`kmp.gpu.configure_gpus`). With JAX it joins the process group at the
+    launcher's coordinator and sets a Keras ``DataParallel`` distribution over
+    every device of every process. Started without a launcher, or launched as a
+    single Horovod process without Horovod installed, it sets up a world of one
     process and does nothing else. A second call returns the same world.
+
+    Args:
+        engine: ``"auto"``, ``"horovod"`` or ``"jax"``.
 
     Returns:
         The :class:`World` of this process.
 
     Raises:
+        TypeError: ``engine`` is not a string.
+        ValueError: An unknown engine, one that contradicts the Keras backend or
+            the launcher's ``--engine``, or a bad launcher variable.
         ImportError: The launcher started more than one process but Horovod
             cannot be imported; the message says how to install it.
-        ValueError: A launcher world-size variable is set to something other
-            than a positive integer.
+        RuntimeError: The JAX processes did not all join in time.
     """
+    import keras
+
+    chosen = choose_engine(engine, keras.backend.backend(), _env.launched_engine())
     if _STATE.initialized:
         return _STATE.world
-    n = launched_world_size()
-    elastic = launched_elastic()
-    hvd = None if n is None and not elastic else _horovod.start(n or 1, elastic=elastic)
+    n = _env.launched_world_size()
+    elastic = _env.launched_elastic()
+    if chosen == "jax" and n is not None and n > 1:
+        return _start_jax(n)
+    hvd = None
+    if chosen == "horovod" and (n is not None or elastic):
+        hvd = _horovod.start(n or 1, elastic=elastic)
     if hvd is None:
         _STATE.world = _single()
         _STATE.initialized = True
@@ -111,10 +137,48 @@ def init() -> World:
     return _STATE.world
 
 
+def _start_jax(n: int) -> World:
+    coordinator = _env.launched_coordinator()
+    process_id = _env.launched_rank()
+    if coordinator is None or process_id is None:
+        raise ValueError(
+            f"This job has {n} processes on the JAX engine, but KMP_COORDINATOR (host:port) "
+            "or the process's rank (HOROVOD_RANK, OMPI_COMM_WORLD_RANK, ...) is not set. "
+            "Start it with kmp launch --engine jax, which sets both."
+        )
+    if process_id >= n:
+        raise ValueError(f"The launcher gave rank {process_id} in a job of {n} processes.")
+    _jax.start(coordinator, n, process_id, timeout_s=_env.launched_jax_timeout())
+    layout = _jax.local_layout(
+        _env.launcher_local_rank(), _env.launcher_local_size(), _env.launcher_cross()
+    )
+    rank_, size_, local_rank_, local_size_, cross_rank_, cross_size_ = layout
+    _STATE.jax = True
+    _STATE.world = World(
+        rank_,
+        size_,
+        local_rank_,
+        local_size_,
+        False,
+        cross_rank=cross_rank_,
+        cross_size=cross_size_,
+        engine="jax",
+    )
+    _STATE.initialized = True
+    return _STATE.world
+
+
 def _horovod_world(hvd: ModuleType) -> World:
     rank_, size_, local_rank_, local_size_, cross_rank_, cross_size_ = _horovod.local_layout(hvd)
     return World(
-        rank_, size_, local_rank_, local_size_, True, cross_rank=cross_rank_, cross_size=cross_size_
+        rank_,
+        size_,
+        local_rank_,
+        local_size_,
+        True,
+        cross_rank=cross_rank_,
+        cross_size=cross_size_,
+        engine="horovod",
     )
 
 
@@ -168,9 +232,15 @@ def _ensure() -> World:
 
 
 def _engine() -> ModuleType | None:
-    """Horovod's TF module when more than one process runs, else None (initialising first)."""
+    """Horovod's TF module when more than one Horovod process runs, else None (initialising)."""
     w = _ensure()
     return _STATE.hvd if w.size > 1 else None
+
+
+def _jax_engine() -> bool:
+    """True when more than one process runs on the JAX engine (initialising first)."""
+    w = _ensure()
+    return _STATE.jax and w.size > 1
 
 
 def is_initialized() -> bool:
@@ -224,4 +294,5 @@ def _reset_for_tests() -> None:
         raise RuntimeError("Cannot reset a running Horovod job.")
     _STATE.initialized = False
     _STATE.hvd = None
+    _STATE.jax = False
     _STATE.world = _single()

@@ -54,6 +54,8 @@ def layout(kind: str) -> tuple[str, list[tuple[str, int, int]]]:
     """``-H`` value and, per rank, (host, local_rank, cross_rank)."""
     if kind == "3x1":
         return "h1:1,h2:1,h3:1", [("h1", 0, 0), ("h2", 0, 1), ("h3", 0, 2)]
+    if kind == "2x1":
+        return "h1:1,h2:1", [("h1", 0, 0), ("h2", 0, 1)]
     return "h1:2,h2:2", [("h1", 0, 0), ("h1", 1, 0), ("h2", 0, 1), ("h2", 1, 1)]
 
 
@@ -123,6 +125,18 @@ def test_three_hosts_one_slot_gloo_overflow_on_one_rank(hosts, env, tmp_path):
     check_ok(proc)
     check_training(tmp_path, "3x1", proc.stdout + proc.stderr)
     print(f"3 hosts x 1 slot, Gloo: {time.monotonic() - start:.0f} s")
+
+
+def test_two_hosts_on_the_jax_engine_overflow_on_one_process(hosts, env, tmp_path):
+    job_env = {k: v for k, v in env.items() if k != "KERAS_BACKEND"}
+    proc = launch("--engine", "jax", "-np", "2", "-H", "h1:1,h2:1", "--network-interface",
+                  "eth0", "--policy", "mixed_float16", *train_args(tmp_path),
+                  env=job_env)  # fmt: skip
+    check_ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "joins the JAX job at h1:" in out  # the coordinator runs on the first host
+    runs = check_training(tmp_path, "2x1", out)
+    assert runs[0]["engine"] == "jax"
 
 
 def test_two_hosts_two_slots_gloo_through_the_hostfile_script(hosts, env, tmp_path):

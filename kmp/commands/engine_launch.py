@@ -1,0 +1,104 @@
+"""``kmp launch --engine jax``: the processes of a JAX job, started through horovodrun.
+
+The JAX engine (:mod:`kmp.distributed._jax`) needs three things in every
+process: ``KERAS_BACKEND=jax``, the coordinator's ``host:port`` (process 0
+runs the coordinator service, on the first host) and the process's id.
+``horovodrun`` already starts one process per slot on every host, over ssh,
+with its rank in ``HOROVOD_RANK``: kmp reuses it as the process launcher, so
+``-H``, ``--hostfile``, ssh options and ``kmp cluster`` hosts work the same for
+both engines. :func:`jax_env` is the pure decision; :func:`pick_port` finds a
+free port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from collections.abc import Mapping, Sequence
+
+from kmp._launcher_env import COORDINATOR_VAR, ENGINE_VAR
+from kmp.commands.hosts import Host, LaunchError
+
+__all__ = ["LAUNCH_ENGINES", "configure_engine", "jax_env", "pick_port", "port_is_free"]
+
+LAUNCH_ENGINES = ("horovod", "jax")
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def pick_port() -> int:
+    """Return a TCP port that is free on this machine now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    """True when nothing listens on ``port`` on this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def jax_env(
+    hosts: Sequence[Host] | None,
+    port: int,
+    environ: Mapping[str, str],
+    *,
+    port_free: bool = True,
+) -> dict[str, str]:
+    """Return the variables every process of a JAX job gets.
+
+    Args:
+        hosts: The job's hosts; the first runs process 0 and so the coordinator
+            (None: this machine).
+        port: The coordinator's port.
+        environ: The caller's environment (``KERAS_BACKEND`` is checked).
+        port_free: Whether ``port`` is free here (checked when the coordinator
+            runs on this machine).
+
+    Raises:
+        LaunchError: ``KERAS_BACKEND`` names another backend, a bad port, or a
+            port already in use on this machine.
+    """
+    backend = environ.get("KERAS_BACKEND") or "jax"
+    if backend != "jax":
+        raise LaunchError(
+            f"--engine jax runs Keras on its JAX backend, but KERAS_BACKEND={backend}. Unset "
+            "it (kmp launch sets KERAS_BACKEND=jax), or use --engine horovod."
+        )
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise LaunchError(f"--coordinator-port must be a TCP port from 1 to 65535, got {port!r}.")
+    names = [h.name for h in hosts] if hosts else ["localhost"]
+    local_names = _LOOPBACK | {socket.gethostname()}
+    if names[0] in local_names and not port_free:
+        raise LaunchError(
+            f"--coordinator-port {port} is already in use on this machine; pick another "
+            "port, or leave the option out (kmp launch then picks a free one)."
+        )
+    if names[0] in _LOOPBACK and not all(n in local_names for n in names):
+        raise LaunchError(
+            f"The first host ({names[0]}) runs the JAX coordinator, and the other hosts must "
+            "reach it: name it by an address they can reach (e.g. its hostname), not localhost."
+        )
+    address = "127.0.0.1" if names[0] in _LOOPBACK else names[0]
+    return {"KERAS_BACKEND": "jax", ENGINE_VAR: "jax", COORDINATOR_VAR: f"{address}:{port}"}
+
+
+def configure_engine(parser: argparse.ArgumentParser) -> None:
+    """Add ``--engine`` and ``--coordinator-port`` to ``kmp launch``'s parser."""
+    parser.add_argument(
+        "--engine",
+        choices=LAUNCH_ENGINES,
+        default="horovod",
+        help="what carries the collectives: horovod (TensorFlow backend, the default) or jax "
+        "(Keras's JAX backend and JAX's runtime; sets KERAS_BACKEND=jax)",
+    )
+    parser.add_argument(
+        "--coordinator-port",
+        type=int,
+        metavar="PORT",
+        help="--engine jax: the coordinator's port on the first host (default: a free port)",
+    )

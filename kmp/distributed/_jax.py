@@ -1,0 +1,229 @@
+"""The JAX engine: JAX's distributed runtime and ``keras.distribution``, for kmp.distributed.
+
+:mod:`kmp.distributed.world` starts it (:func:`start`): the process group from
+the launcher's environment (``jax.distributed.initialize``), Gloo collectives
+for CPU devices, and a Keras ``DataParallel`` distribution over every device
+of every process, and one random seed for all of them (Keras, Python and NumPy:
+a variable must be created with the same value on every process; call
+``keras.utils.set_random_seed`` after ``init()``, with the same seed everywhere, to choose
+it). Keras then computes each step's gradients over the global
+batch, so they are already averaged: kmp's optimizer does not reduce them
+again, and a non-finite gradient is seen by every process alike.
+
+The collectives here serve what the training loop needs outside the step
+(broadcasting the initial state, averaging metrics, gathering results). They
+move host values through ``jax.experimental.multihost_utils`` and return NumPy
+arrays; nothing here validates user arguments or handles the single-process
+case (:mod:`kmp.distributed.collectives` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import socket
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "alone",
+    "allgather",
+    "barrier",
+    "broadcast_object",
+    "broadcast_values",
+    "grouped_allreduce",
+    "local_layout",
+    "start",
+]
+
+_REDUCE = {
+    "average": lambda a: a.mean(axis=0),
+    "sum": lambda a: a.sum(axis=0),
+    "min": lambda a: a.min(axis=0),
+    "max": lambda a: a.max(axis=0),
+    "product": lambda a: a.prod(axis=0),
+}
+
+
+def start(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int) -> None:
+    """Join the JAX process group and set Keras's data-parallel distribution.
+
+    Args:
+        coordinator: ``host:port`` of process 0's coordinator service.
+        num_processes: How many processes the job has.
+        process_id: This process's id, 0 to ``num_processes - 1``.
+        timeout_s: How long to wait for every process to join.
+
+    Raises:
+        RuntimeError: The group did not form within ``timeout_s`` (a process did
+            not start, or cannot reach the coordinator), or the coordinator's
+            port is taken; the message says which and what to do.
+    """
+    import jax
+
+    _check_coordinator(coordinator, process_id, timeout_s)
+    print(
+        f"[kmp] process {process_id} of {num_processes} joins the JAX job at {coordinator}; "
+        f"if a process never joins, JAX ends this one after {timeout_s} s (KMP_JAX_TIMEOUT).",
+        file=sys.stderr,
+        flush=True,
+    )
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=timeout_s,
+        )
+    except Exception as exc:  # XlaRuntimeError, DEADLINE_EXCEEDED, address in use, ...
+        raise RuntimeError(
+            f"Process {process_id} of {num_processes} could not join the JAX job at "
+            f"{coordinator} within {timeout_s} s ({type(exc).__name__}: {exc}). Every process "
+            "must start and reach the coordinator (process 0's host); check that they all "
+            "started, that the port is free and not blocked, or raise KMP_JAX_TIMEOUT."
+        ) from exc
+    import random
+
+    import keras
+
+    # A variable must be created with the same value on every process (JAX checks it when
+    # it lays the value out over all devices): every process starts from process 0's seed.
+    seed = broadcast_object(random.SystemRandom().randrange(2**31), 0)
+    keras.utils.set_random_seed(seed)
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
+    )
+
+
+def _check_coordinator(coordinator: str, process_id: int, timeout_s: int) -> None:
+    """Fail with a clear message where JAX would abort: a taken port, an unreachable coordinator.
+
+    Process 0 runs the coordinator service, so its port must be free there;
+    the other processes wait (up to ``timeout_s``) until it accepts connections.
+    """
+    host, _, port_text = coordinator.rpartition(":")
+    port = int(port_text)
+    if process_id == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError as exc:
+                raise RuntimeError(
+                    f"The JAX coordinator's port {port} is already in use on this host ({exc}). "
+                    "Launch again with another --coordinator-port, or let kmp launch pick one."
+                ) from exc
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2):
+                return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Process {process_id} could not reach the JAX coordinator at {coordinator} "
+                    f"within {timeout_s} s ({exc}): process 0 did not start there, or the port "
+                    "is blocked. Check that every process started, or raise KMP_JAX_TIMEOUT."
+                ) from exc
+            time.sleep(0.5)
+
+
+def local_layout(
+    local_rank: int | None, local_size: int | None, cross: tuple[int, int] | None
+) -> tuple[int, int, int, int, int, int]:
+    """Return ``(rank, size, local_rank, local_size, cross_rank, cross_size)`` from JAX.
+
+    JAX knows the process id and count; the place on the host and the host
+    comes from the launcher (``local_rank``, ``local_size``, ``cross``), else
+    one process per host is assumed.
+    """
+    import jax
+
+    rank, size = int(jax.process_index()), int(jax.process_count())
+    lrank = 0 if local_rank is None else local_rank
+    lsize = 1 if local_size is None else local_size
+    cross_rank, cross_size = cross if cross is not None else (rank // lsize, -(-size // lsize))
+    return rank, size, lrank, lsize, cross_rank, cross_size
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Run the block on this process only: Keras's distribution is lifted meanwhile.
+
+    Under the distribution every new Keras variable is laid out over all
+    processes, which every process must do together; a chief that saves a
+    model alone (Keras builds a throw-away optimizer while saving) would wait
+    for the others. Inside this block new variables stay on this process.
+    """
+    import keras
+
+    current = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(current)
+
+
+def barrier() -> None:
+    """Wait for every process."""
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("kmp.barrier")
+
+
+def _host(x: Any) -> np.ndarray:
+    value = getattr(x, "value", x)  # a Keras variable
+    return np.asarray(value)
+
+
+def _gather_stacked(x: np.ndarray) -> np.ndarray:
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=False))
+
+
+def grouped_allreduce(tensors: Sequence[Any], op: str) -> list[np.ndarray]:
+    """Reduce each tensor over the processes (``op`` from :data:`kmp._names.REDUCE_OPS`)."""
+    out = []
+    for t in tensors:
+        host = _host(t)
+        stacked = _gather_stacked(host.astype(np.float32) if host.dtype.kind == "f" else host)
+        out.append(_REDUCE[op](stacked).astype(host.dtype))
+    return out
+
+
+def allgather(x: Any) -> np.ndarray:
+    """Concatenate ``x`` (at least 1-D, same shape past the first axis) in process order."""
+    host = _host(x)
+    stacked = _gather_stacked(host)
+    return stacked.reshape((-1, *host.shape[1:]))
+
+
+def broadcast_values(values: Sequence[Any], root: int) -> list[np.ndarray]:
+    """Return process ``root``'s values of ``values`` (arrays or variables) on every process."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    hosts = [_host(v) for v in values]
+    is_root = int(jax.process_index()) == root
+    return [np.asarray(a) for a in multihost_utils.broadcast_one_to_all(hosts, is_source=is_root)]
+
+
+def broadcast_object(obj: Any, root: int) -> Any:
+    """Return process ``root``'s ``obj`` (picklable) on every process."""
+    import jax
+
+    is_root = int(jax.process_index()) == root
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if is_root else np.zeros(0, np.uint8)
+    (length,) = broadcast_values([np.array([payload.size], np.int64)], root)
+    padded = np.zeros(int(length[0]), np.uint8)
+    if is_root:
+        padded[:] = payload
+    (data,) = broadcast_values([padded], root)
+    return pickle.loads(data.tobytes())

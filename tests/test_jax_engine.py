@@ -1,0 +1,237 @@
+"""The JAX engine: choosing it, launching it, and real 2-process jobs on Keras's JAX backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, requires_horovod
+
+from kmp import _launcher_env as env
+from kmp.commands.engine_launch import jax_env, pick_port, port_is_free
+from kmp.commands.hosts import Host, LaunchError
+from kmp.commands.launch import build_command
+from kmp.distributed.engines import choose_engine
+
+WORKER = ROOT / "tests" / "distributed" / "worker_jax_engine.py"
+KMP = [sys.executable, "-m", "kmp.cli"]
+
+
+# ------------------------------------------------------------ pure decisions
+
+
+def test_auto_follows_the_backend_and_the_launcher():
+    assert choose_engine("auto", "tensorflow") == "horovod"
+    assert choose_engine("auto", "jax") == "jax"
+    assert choose_engine("AUTO", "jax", "jax") == "jax"
+    assert choose_engine("jax", "jax", "jax") == "jax"
+    assert choose_engine("horovod", "tensorflow", None) == "horovod"
+
+
+def test_an_engine_on_the_wrong_backend_says_what_to_set():
+    with pytest.raises(ValueError, match="jax engine runs on Keras's jax backend, but KERAS_"):
+        choose_engine("jax", "tensorflow")
+    with pytest.raises(ValueError, match="Set KERAS_BACKEND=tensorflow"):
+        choose_engine("horovod", "jax")
+    with pytest.raises(ValueError, match="launched with --engine jax"):
+        choose_engine("horovod", "tensorflow", "jax")
+    with pytest.raises(ValueError, match="one of 'auto', 'horovod', 'jax'"):
+        choose_engine("mpi", "tensorflow")
+    with pytest.raises(TypeError):
+        choose_engine(None, "tensorflow")
+
+
+def test_init_refuses_the_jax_engine_on_the_tensorflow_backend():
+    import kmp
+
+    with pytest.raises(ValueError, match="KERAS_BACKEND=jax"):
+        kmp.distributed.init(engine="jax")
+
+
+def test_launcher_variables_of_the_jax_engine():
+    e = {"KMP_ENGINE": "JAX", "KMP_COORDINATOR": "h1:29500", "HOROVOD_RANK": "3"}
+    assert env.launched_engine(e) == "jax" and env.launched_engine({}) is None
+    assert env.launched_coordinator(e) == "h1:29500" and env.launched_rank(e) == 3
+    assert env.launched_jax_timeout({}) == 300
+    assert env.launched_jax_timeout({"KMP_JAX_TIMEOUT": "7"}) == 7
+    for bad, call, message in [
+        ({"KMP_ENGINE": "mpi"}, env.launched_engine, "not an engine"),
+        ({"KMP_COORDINATOR": "h1"}, env.launched_coordinator, "not host:port"),
+        ({"KMP_COORDINATOR": "h1:99999"}, env.launched_coordinator, "not host:port"),
+        ({"HOROVOD_RANK": "-1"}, env.launched_rank, "not a rank"),
+        ({"KMP_JAX_TIMEOUT": "0"}, env.launched_jax_timeout, "number of seconds"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call(bad)
+
+
+def test_jax_env_for_one_host_and_for_several():
+    assert jax_env(None, 29500, {}) == {
+        "KERAS_BACKEND": "jax",
+        "KMP_ENGINE": "jax",
+        "KMP_COORDINATOR": "127.0.0.1:29500",
+    }
+    several = jax_env([Host("h1", 2), Host("h2", 2)], 29501, {"KERAS_BACKEND": "jax"})
+    assert several["KMP_COORDINATOR"] == "h1:29501"  # process 0 runs on the first host
+    with pytest.raises(LaunchError, match="KERAS_BACKEND=tensorflow"):
+        jax_env(None, 29500, {"KERAS_BACKEND": "tensorflow"})
+    with pytest.raises(LaunchError, match="already in use on this machine"):
+        jax_env(None, 29500, {}, port_free=False)
+    with pytest.raises(LaunchError, match="not localhost"):
+        jax_env([Host("localhost", 1), Host("h2", 1)], 29500, {})
+    with pytest.raises(LaunchError, match="TCP port"):
+        jax_env(None, 0, {})
+
+
+def test_build_command_for_the_jax_engine(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    plan = build_command(2, script, engine="jax", environ={})
+    assert plan.horovodrun and plan.env["KMP_ENGINE"] == "jax"
+    assert plan.env["KERAS_BACKEND"] == "jax"
+    assert plan.env["KMP_COORDINATOR"].startswith("127.0.0.1:")
+    with pytest.raises(LaunchError, match="--elastic runs on Horovod"):
+        from kmp.commands.elastic_launch import ElasticOptions
+
+        build_command(None, script, engine="jax", elastic=ElasticOptions(min_np=1, max_np=2))
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert not port_is_free(port)
+        with pytest.raises(LaunchError, match=f"--coordinator-port {port} is already in use"):
+            build_command(2, script, engine="jax", coordinator_port=port, environ={})
+    assert port_is_free(pick_port())
+
+
+def test_kmp_launch_refuses_jax_with_the_tensorflow_backend(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    r = subprocess.run(
+        [*KMP, "launch", "--engine", "jax", "-np", "2", "--dry-run", str(script)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KERAS_BACKEND": "tensorflow"},
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--engine jax runs Keras on its JAX backend" in r.stderr
+
+
+# ----------------------------------------------------------- real processes
+
+
+def _jax_process(rank: int, port: int, timeout_s: int) -> subprocess.Popen:
+    child_env = {
+        **os.environ,
+        "KERAS_BACKEND": "jax",
+        "KMP_ENGINE": "jax",
+        "KMP_COORDINATOR": f"127.0.0.1:{port}",
+        "KMP_JAX_TIMEOUT": str(timeout_s),
+        "HOROVOD_SIZE": "2",
+        "HOROVOD_RANK": str(rank),
+        "PYTHONPATH": str(ROOT),
+    }
+    code = "import kmp; kmp.distributed.init(); print('joined')"
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=child_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_process_whose_coordinator_never_starts_fails_in_time():
+    t0 = time.monotonic()
+    proc = _jax_process(1, pick_port(), timeout_s=3)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and time.monotonic() - t0 < 90
+    assert "could not reach the JAX coordinator" in err and "KMP_JAX_TIMEOUT" in err
+
+
+def test_a_process_nobody_joins_ends_after_the_timeout():
+    proc = _jax_process(0, pick_port(), timeout_s=3)
+    try:
+        out, err = proc.communicate(timeout=120)  # not a hang: JAX ends it after 3 s
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "joined" not in out
+    assert "process 0 of 2 joins the JAX job" in err and "after 3 s (KMP_JAX_TIMEOUT)" in err
+
+
+def test_the_coordinator_port_in_use_is_a_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        proc = _jax_process(0, taken.getsockname()[1], timeout_s=3)
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode != 0 and "already in use on this host" in err
+
+
+def _launch(policy: str, out: Path, *extra: str) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    run_env = {**os.environ, "KMP_TEST_OUT": str(out), "OMP_NUM_THREADS": "1"}
+    run_env.pop("KERAS_BACKEND", None)
+    r = subprocess.run(
+        [*KMP, "launch", "--engine", "jax", "-np", "2", str(WORKER), policy, "dist", *extra],
+        capture_output=True,
+        text=True,
+        env=run_env,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
+
+
+def _single(policy: str, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    run_env = {**os.environ, "KMP_TEST_OUT": str(out), "KERAS_BACKEND": "jax"}
+    r = subprocess.run(
+        [sys.executable, str(WORKER), policy, "single"],
+        capture_output=True,
+        text=True,
+        env=run_env,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads((out / "rank0.json").read_text())
+
+
+@requires_horovod
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_two_jax_processes_end_identical_and_match_one_process(tmp_path, policy):
+    ranks = _launch(policy, tmp_path / "dist", *([str(tmp_path / "ckpt")] * (policy == "float32")))
+    for r in ranks:
+        assert r["engine"] == "jax" and r["size"] == 2
+        assert r["max_diff"] == 0.0 and r["finite"]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    if policy == "mixed_float16":  # process 1's overflow skips the step on both, once per epoch
+        assert [r["skipped"] for r in ranks] == [2, 2]
+        assert ranks[0]["loss_scale"] == ranks[1]["loss_scale"] == 2.0**15 / 4
+    else:
+        assert [r["skipped"] for r in ranks] == [0, 0]
+    single = _single(policy, tmp_path / "single")
+    tolerance = {"float32": 1e-5, "mixed_bfloat16": 5e-2, "mixed_float16": 1e-3}[policy]
+    diff = np.abs(np.array(single["weights"]) - np.array(ranks[0]["weights"])).max()
+    assert diff < tolerance, diff
+    assert single["skipped"] == ranks[0]["skipped"]
+    if policy == "float32":  # only the chief wrote checkpoints, one per epoch
+        written = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+        assert len([n for n in written if n.endswith(".keras")]) == 2, written
