@@ -81,6 +81,9 @@ def train_policy(policy: str, args: argparse.Namespace) -> dict:
 
     import kmp
 
+    # The engine users run on JAX (kmp launch --engine jax): one process here, so a world of
+    # one; several would train on the DataParallel distribution it sets.
+    world = kmp.distributed.init(engine="jax")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # float16 on a CPU (the --quick check) warns
         choice = kmp.enable(policy)
@@ -142,6 +145,8 @@ def train_policy(policy: str, args: argparse.Namespace) -> dict:
     peak = stats.get("peak_bytes_in_use")
     return {
         "policy": choice.name,
+        "engine": world.engine,
+        "processes": world.size,
         "compute_dtype": choice.compute_dtype,
         "images_per_s": round(args.steps * args.batch / elapsed, 2),
         "step_ms": round(1000 * elapsed / args.steps, 2),

@@ -521,3 +521,21 @@ def test_peer_targets_without_a_cluster_say_why():
     links = [t for t in targets if t["name"].startswith("1 Gbit/s")]
     assert len(links) == 2 and all(t["met"] is None for t in links)
     assert all(t["measured"] == "not root: kmp cluster needs root" for t in links)
+
+
+def test_engines_table_puts_both_engines_side_by_side():
+    engines = _load("engines")
+
+    def row(engine, policy, ips, skipped=0):
+        return {"engine": engine, "policy": policy, "weights_max_diff": 0.0,
+                "skipped_steps": skipped, "test_accuracy": 0.96, "images_per_sec": ips}  # fmt: skip
+
+    md = engines.table(
+        [row("horovod", "mixed_float16", 1000.0, 1), row("jax", "mixed_float16", 250.0, 1),
+         row("horovod", "float32", 2000.0), row("jax", "float32", 500.0)]
+    )  # fmt: skip
+    lines = md.splitlines()
+    assert lines[0].startswith("| policy | engine | weights max diff | skipped steps |")
+    assert lines[2].startswith("| float32 | horovod | 0 | 0 | 0.9600 | 2000 |")  # policy order
+    assert lines[3].endswith("| 500 | 0.25x |")
+    assert lines[5] == "| mixed_float16 | jax | 0 | 1 | 0.9600 | 250 | 0.25x |"

@@ -221,6 +221,7 @@ def test_two_jax_processes_end_identical_and_match_one_process(tmp_path, policy)
     for r in ranks:
         assert r["engine"] == "jax" and r["size"] == 2
         assert r["max_diff"] == 0.0 and r["finite"]
+        assert r["collectives"] == {"object": {"from": 1}, "sum": 3.0, "max": 2.0}
     assert ranks[0]["weights"] == ranks[1]["weights"]
     if policy == "mixed_float16":  # process 1's overflow skips the step on both, once per epoch
         assert [r["skipped"] for r in ranks] == [2, 2]

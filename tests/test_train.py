@@ -155,3 +155,21 @@ def test_demo_reaches_its_accuracy_target_on_two_ranks(data_dir, tmp_path):
     assert run["ranks"] == 2 and run["policy_reason"].startswith("auto")
     assert run["test_accuracy"] >= 0.95
     assert run["weights_max_diff"] == 0.0  # full weights allgathered: bit-identical ranks
+    assert run["engine"] == "horovod"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_horovod
+def test_demo_reaches_its_accuracy_target_on_the_jax_engine(data_dir, tmp_path):
+    out = tmp_path / "demo.json"
+    proc = _run(
+        [sys.executable, str(DEMO), "--engine", "jax", "--compare", "none",
+         "--out", str(tmp_path / "logs"), "--json", str(out)],
+        data_dir,
+    )  # fmt: skip
+    run = json.loads(out.read_text())["runs"][0]
+    assert "kmp demo passed" in proc.stdout
+    assert run["engine"] == "jax" and run["ranks"] == 2
+    assert run["test_accuracy"] >= 0.95
+    assert run["weights_max_diff"] == 0.0

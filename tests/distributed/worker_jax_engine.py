@@ -54,6 +54,11 @@ callbacks = kmp.callbacks.default_callbacks(checkpoint_dir=CKPT, verbose=0)
 history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
 flat = np.concatenate([np.asarray(w, "float64").ravel() for w in model.get_weights()])
 gathered = np.asarray(kmp.distributed.allgather(flat[None]))
+# The collectives outside the step, on this engine.
+obj = kmp.distributed.broadcast_object({"from": world.rank}, root=world.size - 1)
+summed = kmp.distributed.allreduce(np.array([world.rank + 1.0]), op="sum")
+biggest = kmp.distributed.allreduce(np.array([world.rank + 1.0]), op="max")
+kmp.distributed.barrier()
 write_result(
     world.rank,
     {
@@ -65,5 +70,6 @@ write_result(
         "loss_scale": float(opt.loss_scale),
         "loss": [float(v) for v in history.history["loss"]],
         "finite": bool(np.isfinite(flat).all()),
+        "collectives": {"object": obj, "sum": float(summed[0]), "max": float(biggest[0])},
     },
 )
