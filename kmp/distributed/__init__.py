@@ -1,8 +1,11 @@
-"""The Horovod runtime behind a small surface, with a single-process fallback.
+"""Two engines behind one small surface, with a single-process fallback.
 
 Call :func:`init` once at the top of a training script. Under ``horovodrun``
-(or ``mpirun``) it initialises Horovod and gives each local rank one GPU with
-memory growth; started as a plain ``python train.py`` it is a harmless no-op and
+(or ``mpirun``, ``kmp launch``) it initialises Horovod and gives each local rank
+one GPU with memory growth; under ``kmp launch --engine jax`` (Keras's JAX
+backend) it joins JAX's runtime and sets a ``DataParallel`` distribution (see
+:mod:`kmp.distributed.engines`); started as a plain ``python train.py`` it is a
+harmless no-op and
 every function here behaves as a world of one process (``size() == 1``,
 collectives return their input). The other functions call :func:`init` on
 first use, so a forgotten ``init()`` never silently trains unsynchronised ranks.
@@ -14,7 +17,8 @@ expected; their ``.value`` (the ``tf.Variable``) is what Horovod sees.
 
 The package is split by concern: :mod:`kmp.distributed.world` holds the state,
 :func:`init` and the accessors; :mod:`kmp.distributed.collectives` the
-collectives; :mod:`kmp.distributed._horovod` every call into Horovod. The
+collectives; :mod:`kmp.distributed._horovod` every call into Horovod and
+:mod:`kmp.distributed._jax` every call into JAX's runtime. The
 launcher's environment is read by :mod:`kmp._launcher_env`, and the accepted
 reduction and compression names live in :mod:`kmp._names`; everything is
 re-exported here, where it has always been.

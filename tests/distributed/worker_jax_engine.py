@@ -1,10 +1,12 @@
 """Worker for the JAX engine tests: fit a small model on this process's data, report the weights.
 
-Usage: worker_jax_engine.py POLICY MODE [CKPT_DIR]
+Usage: worker_jax_engine.py POLICIES MODE [CKPT_DIR]
+  POLICIES: comma-separated; each trains a fresh model in turn (one process start for all).
   MODE "dist": started by kmp launch --engine jax; each process trains on its own half.
   MODE "single": one process trains on the concatenated global batches (the reference).
 Under mixed_float16 the first batch of process 1 (and the same rows in "single") holds
-1e6, which overflows float16: every process must skip that step.
+1e6, which overflows float16: every process must skip that step. CKPT_DIR: checkpoints of
+the first policy's run (the chief writes them).
 """
 
 import os
@@ -18,42 +20,62 @@ from _common import write_result
 
 import kmp
 
-POLICY, MODE = sys.argv[1], sys.argv[2]
+POLICIES, MODE = sys.argv[1].split(","), sys.argv[2]
 CKPT = sys.argv[3] if len(sys.argv) > 3 else None
 PROCS, N, BS, FEATURES = 2, 48, 8, 6
 
 world = kmp.distributed.init()
-kmp.enable(POLICY)
-rng = np.random.default_rng(0)
-x_all = rng.normal(size=(PROCS, N, FEATURES)).astype("float32")
-y_all = rng.integers(0, 3, size=(PROCS, N)).astype("int32")
-if POLICY == "mixed_float16":
-    x_all[1, :BS] = 1e6  # process 1's first batch overflows float16
 if MODE == "dist":
     assert world.size == PROCS and world.engine == "jax", world
-    x, y, batch = x_all[world.rank], y_all[world.rank], BS
-else:  # global batch b = [process 0's batch b, process 1's batch b]
+
+
+def data(policy: str):
+    rng = np.random.default_rng(0)
+    x_all = rng.normal(size=(PROCS, N, FEATURES)).astype("float32")
+    y_all = rng.integers(0, 3, size=(PROCS, N)).astype("int32")
+    if policy == "mixed_float16":
+        x_all[1, :BS] = 1e6  # process 1's first batch overflows float16
+    if MODE == "dist":
+        return x_all[world.rank], y_all[world.rank], BS
+    # global batch b = [process 0's batch b, process 1's batch b]
     steps = range(N // BS)
     x = np.concatenate([np.concatenate(list(x_all[:, b * BS : (b + 1) * BS])) for b in steps])
     y = np.concatenate([np.concatenate(list(y_all[:, b * BS : (b + 1) * BS])) for b in steps])
-    batch = BS * PROCS
+    return x, y, BS * PROCS
 
-keras.utils.set_random_seed(1)  # the same on every process, as JAX requires
-model = kmp.float32_outputs(
-    keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(16, activation="relu"),
-            keras.layers.Dense(3, activation="softmax"),
-        ]
+
+def train(policy: str, ckpt: str | None) -> dict:
+    kmp.enable(policy)
+    x, y, batch = data(policy)
+    keras.utils.set_random_seed(1)  # the same on every process, as JAX requires
+    model = kmp.float32_outputs(
+        keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(3, activation="softmax"),
+            ]
+        )
     )
-)
-opt = kmp.wrap_optimizer(keras.optimizers.SGD(0.05))
-model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-callbacks = kmp.callbacks.default_callbacks(checkpoint_dir=CKPT, verbose=0)
-history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
-flat = np.concatenate([np.asarray(w, "float64").ravel() for w in model.get_weights()])
-gathered = np.asarray(kmp.distributed.allgather(flat[None]))
+    opt = kmp.wrap_optimizer(keras.optimizers.SGD(0.05))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    callbacks = kmp.callbacks.default_callbacks(checkpoint_dir=ckpt, verbose=0)
+    history = model.fit(
+        x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=callbacks
+    )
+    flat = np.concatenate([np.asarray(w, "float64").ravel() for w in model.get_weights()])
+    gathered = np.asarray(kmp.distributed.allgather(flat[None]))
+    return {
+        "max_diff": float(np.abs(gathered - gathered[0]).max()),
+        "weights": flat.tolist(),
+        "skipped": int(opt.skipped_steps),
+        "loss_scale": float(opt.loss_scale),
+        "loss": [float(v) for v in history.history["loss"]],
+        "finite": bool(np.isfinite(flat).all()),
+    }
+
+
+runs = {p: train(p, CKPT if i == 0 else None) for i, p in enumerate(POLICIES)}
 # The collectives outside the step, on this engine.
 obj = kmp.distributed.broadcast_object({"from": world.rank}, root=world.size - 1)
 summed = kmp.distributed.allreduce(np.array([world.rank + 1.0]), op="sum")
@@ -64,12 +86,7 @@ write_result(
     {
         "engine": world.engine,
         "size": world.size,
-        "max_diff": float(np.abs(gathered - gathered[0]).max()),
-        "weights": flat.tolist(),
-        "skipped": int(opt.skipped_steps),
-        "loss_scale": float(opt.loss_scale),
-        "loss": [float(v) for v in history.history["loss"]],
-        "finite": bool(np.isfinite(flat).all()),
+        "runs": runs,
         "collectives": {"object": obj, "sum": float(summed[0]), "max": float(biggest[0])},
     },
 )
