@@ -111,6 +111,16 @@ def test_build_command_for_the_jax_engine(tmp_path):
     assert port_is_free(pick_port())
 
 
+def test_horovod_with_the_jax_backend_is_refused(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    with pytest.raises(LaunchError, match="launch with --engine jax"):
+        build_command(2, script, environ={"KERAS_BACKEND": "jax"})
+    assert build_command(2, script, environ={"KERAS_BACKEND": "tensorflow"}).env == {}
+    with pytest.raises(LaunchError, match="TCP port"):
+        build_command(2, script, engine="jax", coordinator_port=70000, environ={})
+
+
 def test_kmp_launch_refuses_jax_with_the_tensorflow_backend(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")

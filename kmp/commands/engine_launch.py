@@ -19,7 +19,14 @@ from collections.abc import Mapping, Sequence
 from kmp._launcher_env import COORDINATOR_VAR, ENGINE_VAR
 from kmp.commands.hosts import Host, LaunchError
 
-__all__ = ["LAUNCH_ENGINES", "configure_engine", "jax_env", "pick_port", "port_is_free"]
+__all__ = [
+    "LAUNCH_ENGINES",
+    "configure_engine",
+    "engine_env",
+    "jax_env",
+    "pick_port",
+    "port_is_free",
+]
 
 LAUNCH_ENGINES = ("horovod", "jax")
 _LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -85,6 +92,37 @@ def jax_env(
         )
     address = "127.0.0.1" if names[0] in _LOOPBACK else names[0]
     return {"KERAS_BACKEND": "jax", ENGINE_VAR: "jax", COORDINATOR_VAR: f"{address}:{port}"}
+
+
+def engine_env(
+    engine: str,
+    hosts: Sequence[Host] | None,
+    coordinator_port: int | None,
+    environ: Mapping[str, str],
+    *,
+    elastic: bool = False,
+) -> dict[str, str]:
+    """Return the variables ``engine`` adds to every process (none for Horovod).
+
+    Raises:
+        LaunchError: An unknown engine; Horovod with ``KERAS_BACKEND=jax``; the JAX
+            engine with ``--elastic``; what :func:`jax_env` refuses.
+    """
+    if engine not in LAUNCH_ENGINES:
+        raise LaunchError(f"--engine must be one of {', '.join(LAUNCH_ENGINES)}, got {engine!r}.")
+    if engine == "horovod":
+        if environ.get("KERAS_BACKEND") == "jax":
+            raise LaunchError(
+                "KERAS_BACKEND=jax, but Horovod averages with TensorFlow ops: launch with "
+                "--engine jax (JAX's runtime), or unset KERAS_BACKEND."
+            )
+        return {}
+    if elastic:
+        raise LaunchError("--elastic runs on Horovod's elastic driver: use --engine horovod.")
+    port = pick_port() if coordinator_port is None else coordinator_port
+    checkable = isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535
+    free = coordinator_port is None or not checkable or port_is_free(port)
+    return jax_env(hosts, port, environ, port_free=free)
 
 
 def configure_engine(parser: argparse.ArgumentParser) -> None:

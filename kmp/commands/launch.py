@@ -50,7 +50,7 @@ from kmp.commands.elastic_launch import (
     elastic_args,
     options_from_args,
 )
-from kmp.commands.engine_launch import configure_engine, jax_env, pick_port, port_is_free
+from kmp.commands.engine_launch import configure_engine, engine_env
 from kmp.commands.hosts import (
     HOST_RE,
     Host,
@@ -221,14 +221,7 @@ def build_command(
             raise LaunchError(f"--policy: {exc}") from None
     environ = os.environ if environ is None else environ
     env = forwarded_env(environ, policy)
-    if engine not in ("horovod", "jax"):
-        raise LaunchError(f"--engine must be horovod or jax, got {engine!r}.")
-    if engine == "jax":
-        if elastic is not None:
-            raise LaunchError("--elastic runs on Horovod's elastic driver: use --engine horovod.")
-        port = pick_port() if coordinator_port is None else coordinator_port
-        free = coordinator_port is None or (isinstance(port, int) and port_is_free(port))
-        env.update(jax_env(hosts, port, environ, port_free=free))
+    env.update(engine_env(engine, hosts, coordinator_port, environ, elastic=elastic is not None))
     python = python or sys.executable
     command = [python, str(script_path), *script_args]
     extra: list[str] = []
