@@ -49,7 +49,14 @@ _REDUCE = {
 }
 
 
-def start(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int) -> None:
+def start(
+    coordinator: str,
+    num_processes: int,
+    process_id: int,
+    *,
+    timeout_s: int,
+    local_device: int | None = None,
+) -> None:
     """Join the JAX process group and set Keras's data-parallel distribution.
 
     Args:
@@ -57,6 +64,9 @@ def start(coordinator: str, num_processes: int, process_id: int, *, timeout_s: i
         num_processes: How many processes the job has.
         process_id: This process's id, 0 to ``num_processes - 1``.
         timeout_s: How long to wait for every process to join.
+        local_device: The one GPU this process takes when several processes
+            share a host (its local rank); None: every local GPU (one process
+            per host). CPU devices are not affected.
 
     Raises:
         RuntimeError: The group did not form within ``timeout_s`` (a process did
@@ -79,6 +89,7 @@ def start(coordinator: str, num_processes: int, process_id: int, *, timeout_s: i
             num_processes=num_processes,
             process_id=process_id,
             initialization_timeout=timeout_s,
+            local_device_ids=None if local_device is None else [local_device],
         )
     except Exception as exc:  # XlaRuntimeError, DEADLINE_EXCEEDED, address in use, ...
         raise RuntimeError(

@@ -148,10 +148,17 @@ def _start_jax(n: int) -> World:
         )
     if process_id >= n:
         raise ValueError(f"The launcher gave rank {process_id} in a job of {n} processes.")
-    _jax.start(coordinator, n, process_id, timeout_s=_env.launched_jax_timeout())
-    layout = _jax.local_layout(
-        _env.launcher_local_rank(), _env.launcher_local_size(), _env.launcher_cross()
+    local_rank_, local_size_ = _env.launcher_local_rank(), _env.launcher_local_size()
+    # Several processes on a host: one GPU each (as Horovod's ranks); one: all of them.
+    shared = local_rank_ is not None and (local_size_ or 1) > 1
+    _jax.start(
+        coordinator,
+        n,
+        process_id,
+        timeout_s=_env.launched_jax_timeout(),
+        local_device=local_rank_ if shared else None,
     )
+    layout = _jax.local_layout(local_rank_, local_size_, _env.launcher_cross())
     rank_, size_, local_rank_, local_size_, cross_rank_, cross_size_ = layout
     _STATE.jax = True
     _STATE.world = World(
