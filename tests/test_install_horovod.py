@@ -237,3 +237,58 @@ def test_setup_sh_leaves_the_build_to_kmp_install_horovod():
         assert word not in text, word
     pins = (ROOT / "requirements.txt").read_text().splitlines()
     assert not [p for p in pins if p.startswith(("tensorflow=", "tensorflow-cpu", "tensorflow["))]
+
+
+def _no_real_install(monkeypatch, tmp_path, verify_result):
+    monkeypatch.setenv("KMP_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KMP_DEVICE", raising=False)
+    monkeypatch.setattr(build_record, "up_to_date", lambda *a: None)
+    monkeypatch.setattr(build_record, "verify", lambda *a, **k: verify_result)
+    monkeypatch.setattr(build_record, "write", lambda *a: None)
+    installed = []
+    monkeypatch.setattr(install_horovod, "install_wheel", lambda py, w: installed.append(w))
+    return installed
+
+
+def test_only_a_verified_build_is_cached(monkeypatch, tmp_path):
+    installed = _no_real_install(monkeypatch, tmp_path, ([], {"library": None}))
+
+    def fake_build(plan, python, workdir, cuda):
+        wheel = workdir / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+        wheel.write_bytes(b"built")
+        return wheel
+
+    monkeypatch.setattr(install_horovod, "build_wheel", fake_build)
+    assert install_horovod.main([]) == 0
+    cached = list((tmp_path / "cache" / "wheels").glob("*/horovod-*.whl"))
+    assert len(installed) == 1 and [c.read_bytes() for c in cached] == [b"built"]
+    # The same plan again (forced): the cached wheel is installed, nothing is compiled.
+    monkeypatch.setattr(install_horovod, "build_wheel", pytest.fail)
+    assert install_horovod.main(["--force"]) == 0
+    assert installed[-1] == cached[0]
+
+
+def test_a_build_that_fails_verification_is_not_cached(monkeypatch, tmp_path, capsys):
+    _no_real_install(monkeypatch, tmp_path, (["Horovod was built without MPI"], {}))
+
+    def fake_build(plan, python, workdir, cuda):
+        wheel = workdir / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+        wheel.write_bytes(b"bad")
+        return wheel
+
+    monkeypatch.setattr(install_horovod, "build_wheel", fake_build)
+    assert install_horovod.main([]) == 1
+    assert "built without MPI" in capsys.readouterr().err
+    assert not list((tmp_path / "cache").glob("wheels/*/*.whl"))
+
+
+def test_a_cached_wheel_that_fails_verification_is_removed(monkeypatch, tmp_path, capsys):
+    _no_real_install(monkeypatch, tmp_path, (["ops do not load"], {}))
+    stale = tmp_path / "stale" / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
+    stale.parent.mkdir()
+    stale.write_bytes(b"old")
+    monkeypatch.setattr(install_horovod, "cached_wheel", lambda root, key: stale)
+    assert install_horovod.main([]) == 1
+    err = capsys.readouterr().err
+    assert "ops do not load" in err and "was removed: run again to rebuild it" in err
+    assert not stale.exists()

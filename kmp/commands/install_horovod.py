@@ -310,12 +310,17 @@ def run(args: argparse.Namespace) -> int:
         if wheel is not None:
             _log(f"installing the cached wheel {wheel}")
             install_wheel(facts.python, wheel)
+            bad, loaded = build_record.verify(facts.python, plan)
+            if bad:  # never offer a wheel that failed once again
+                wheel.unlink(missing_ok=True)
+                bad.append(f"the cached wheel {wheel} was removed: run again to rebuild it")
         else:
             with tempfile.TemporaryDirectory(prefix="kmp-horovod-") as tmp:
                 built = build_wheel(plan, facts.python, Path(tmp), cuda)
-                kept = built if args.no_cache else store_wheel(root, key, built)
-                install_wheel(facts.python, kept)
-        bad, loaded = build_record.verify(facts.python, plan)
+                install_wheel(facts.python, built)
+                bad, loaded = build_record.verify(facts.python, plan)
+                if not bad and not args.no_cache:  # only a verified build is cached
+                    store_wheel(root, key, built)
     except (RuntimeError, OSError, ValueError) as exc:
         print(f"kmp install-horovod: {exc}", file=sys.stderr)
         return 1
