@@ -19,6 +19,7 @@ __all__ = [
     "COORDINATOR_VAR",
     "ENGINE_VAR",
     "JAX_TIMEOUT_VAR",
+    "LOCAL_RUN_VARS",
     "LAUNCH_RANK_VARS",
     "LAUNCH_SIZE_VARS",
     "LOCAL_RANK_VARS",
@@ -27,6 +28,7 @@ __all__ = [
     "launched_elastic",
     "launched_engine",
     "launched_jax_timeout",
+    "launched_local_run_size",
     "launched_rank",
     "launched_world_size",
     "launcher_cross",
@@ -40,6 +42,9 @@ ENGINE_VAR = "KMP_ENGINE"
 COORDINATOR_VAR = "KMP_COORDINATOR"
 JAX_TIMEOUT_VAR = "KMP_JAX_TIMEOUT"
 ENGINE_NAMES = ("horovod", "jax")
+# Set by kmp's own local launcher (kmp.commands.local_run) for JAX-engine jobs:
+# rank, size, local rank, local size.
+LOCAL_RUN_VARS = ("KMP_RANK", "KMP_SIZE", "KMP_LOCAL_RANK", "KMP_LOCAL_SIZE")
 
 # Environment variables through which launchers announce the world size, in the
 # order they are checked: horovodrun (Gloo), Open MPI, MPICH / Intel MPI, MVAPICH.
@@ -57,6 +62,7 @@ LAUNCH_RANK_VARS: tuple[str, ...] = (
     "PMI_RANK",
     "MV2_COMM_WORLD_RANK",
     "SLURM_PROCID",
+    "KMP_RANK",
 )
 
 # ... the number of processes on this host.
@@ -66,6 +72,7 @@ LOCAL_SIZE_VARS: tuple[str, ...] = (
     "MPI_LOCALNRANKS",
     "MV2_COMM_WORLD_LOCAL_SIZE",
     "SLURM_NTASKS_PER_NODE",
+    "KMP_LOCAL_SIZE",
 )
 
 # ... which host this is and how many hosts there are (horovodrun).
@@ -80,6 +87,7 @@ LOCAL_RANK_VARS: tuple[str, ...] = (
     "MPI_LOCALRANKID",
     "MV2_COMM_WORLD_LOCAL_RANK",
     "SLURM_LOCALID",
+    "KMP_LOCAL_RANK",
 )
 
 
@@ -284,3 +292,21 @@ def launcher_cross(environ: Mapping[str, str] | None = None) -> tuple[int, int] 
     rank = _first_int(environ, CROSS_RANK_VARS, minimum=0, meaning="a host rank", hint=hint)
     size = _first_int(environ, CROSS_SIZE_VARS, minimum=1, meaning="a host count", hint=hint)
     return None if rank is None or size is None else (rank, size)
+
+
+def launched_local_run_size(environ: Mapping[str, str] | None = None) -> int | None:
+    """Return the size kmp's local launcher announced (``KMP_SIZE``), or None.
+
+    Kept apart from :func:`launched_world_size`: that launcher starts JAX-engine
+    jobs only, and Horovod must not try to start from it.
+
+    Raises:
+        ValueError: ``KMP_SIZE`` is set to something other than a positive integer.
+    """
+    return _first_int(
+        environ,
+        ("KMP_SIZE",),
+        minimum=1,
+        meaning="a world size",
+        hint="unset it; kmp launch --engine jax sets it for the processes it starts.",
+    )

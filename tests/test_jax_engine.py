@@ -94,7 +94,19 @@ def test_build_command_for_the_jax_engine(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     plan = build_command(2, script, engine="jax", environ={})
-    assert plan.horovodrun and plan.env["KMP_ENGINE"] == "jax"
+    # On this machine alone: kmp's own launcher, no horovodrun (Horovod need not be installed).
+    assert not plan.horovodrun and plan.argv[1:6] == (
+        "-m",
+        "kmp.commands.local_run",
+        "-np",
+        "2",
+        "--",
+    )
+    assert plan.argv[6:] == (sys.executable, str(script)) and plan.env["KMP_ENGINE"] == "jax"
+    remote = build_command(
+        2, script, engine="jax", hosts=[Host("h1", 1), Host("h2", 1)], environ={}
+    )
+    assert remote.horovodrun and remote.env["KMP_COORDINATOR"].startswith("h1:")
     assert plan.env["KERAS_BACKEND"] == "jax"
     assert plan.env["KMP_COORDINATOR"].startswith("127.0.0.1:")
     with pytest.raises(LaunchError, match="--elastic runs on Horovod"):
@@ -119,6 +131,46 @@ def test_horovod_with_the_jax_backend_is_refused(tmp_path):
     assert build_command(2, script, environ={"KERAS_BACKEND": "tensorflow"}).env == {}
     with pytest.raises(LaunchError, match="TCP port"):
         build_command(2, script, engine="jax", coordinator_port=70000, environ={})
+
+
+def test_the_local_launcher_tags_output_and_stops_the_others_when_one_fails(tmp_path, capfd):
+    from kmp.commands import local_run
+
+    assert local_run.rank_env(1, 2) == {
+        "KMP_RANK": "1",
+        "KMP_SIZE": "2",
+        "KMP_LOCAL_RANK": "1",
+        "KMP_LOCAL_SIZE": "2",
+    }
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "rank = int(os.environ['KMP_RANK'])\n"
+        "print('hello from', rank, 'of', os.environ['KMP_SIZE'], flush=True)\n"
+        "if rank == 1:\n    sys.exit(3)\n"
+        "time.sleep(120)\n"
+    )
+    t0 = time.monotonic()
+    assert local_run.main(["-np", "2", "--", sys.executable, str(script)]) == 3
+    assert time.monotonic() - t0 < 30  # rank 0 was stopped, not waited for
+    out = capfd.readouterr().out
+    assert "[0]<stdout>:hello from 0 of 2" in out and "[1]<stdout>:hello from 1 of 2" in out
+    assert local_run.main(["-np", "2", "--", sys.executable, "-c", "pass"]) == 0
+
+
+def test_horovod_refuses_a_job_of_the_local_launcher(monkeypatch):
+    import importlib
+
+    import kmp
+
+    world_mod = importlib.import_module("kmp.distributed.world")
+    monkeypatch.setattr(world_mod, "_STATE", world_mod._State())
+    monkeypatch.setenv("KMP_SIZE", "2")
+    with pytest.raises(ValueError, match="kmp's local launcher"):
+        kmp.distributed.init()
+    from kmp.commands.launch import forwarded_env
+
+    assert forwarded_env({"KMP_RANK": "1", "KMP_SIZE": "2", "KMP_X": "y"}) == {"KMP_X": "y"}
 
 
 def test_kmp_launch_refuses_jax_with_the_tensorflow_backend(tmp_path):

@@ -3,11 +3,13 @@
 The JAX engine (:mod:`kmp.distributed._jax`) needs three things in every
 process: ``KERAS_BACKEND=jax``, the coordinator's ``host:port`` (process 0
 runs the coordinator service, on the first host) and the process's id.
-``horovodrun`` already starts one process per slot on every host, over ssh,
-with its rank in ``HOROVOD_RANK``: kmp reuses it as the process launcher, so
-``-H``, ``--hostfile``, ssh options and ``kmp cluster`` hosts work the same for
-both engines. :func:`jax_env` is the pure decision; :func:`pick_port` finds a
-free port.
+On this machine alone the processes are started by kmp's own launcher
+(:mod:`kmp.commands.local_run`, :func:`local_argv`), so no Horovod is needed.
+With other hosts, ``horovodrun`` starts one process per slot on every host,
+over ssh, with its rank in ``HOROVOD_RANK``: kmp reuses it as the process
+launcher, so ``-H``, ``--hostfile``, ssh options and ``kmp cluster`` hosts work
+the same for both engines. :func:`jax_env` is the pure decision of the
+variables; :func:`pick_port` finds a free port.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "configure_engine",
     "engine_env",
     "jax_env",
+    "local_argv",
     "pick_port",
     "port_is_free",
 ]
@@ -123,6 +126,20 @@ def engine_env(
     checkable = isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535
     free = coordinator_port is None or not checkable or port_is_free(port)
     return jax_env(hosts, port, environ, port_free=free)
+
+
+def local_argv(
+    engine: str, hosts: Sequence[Host], np: int, python: str, command: Sequence[str]
+) -> tuple[str, ...] | None:
+    """The command of a JAX job on this machine alone: kmp's local launcher, no horovodrun.
+
+    Returns None for Horovod jobs and for jobs with other hosts (those go through
+    horovodrun, which reaches them over ssh).
+    """
+    local = _LOOPBACK | {socket.gethostname()}
+    if engine != "jax" or not all(h.name in local for h in hosts):
+        return None
+    return (python, "-m", "kmp.commands.local_run", "-np", str(np), "--", *command)
 
 
 def configure_engine(parser: argparse.ArgumentParser) -> None:

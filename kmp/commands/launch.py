@@ -40,6 +40,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kmp._launcher_env import LOCAL_RUN_VARS
 from kmp._names import VALID_POLICIES, normalize_policy
 from kmp.commands import preflight
 from kmp.commands._proc import run_forwarding_signals
@@ -50,7 +51,7 @@ from kmp.commands.elastic_launch import (
     elastic_args,
     options_from_args,
 )
-from kmp.commands.engine_launch import configure_engine, engine_env
+from kmp.commands.engine_launch import configure_engine, engine_env, local_argv
 from kmp.commands.hosts import (
     HOST_RE,
     Host,
@@ -96,7 +97,7 @@ _OPENMP_VARS = frozenset(
     }
 )
 # Read by the launch/ shell scripts themselves, not settings for the ranks.
-_LAUNCHER_VARS = frozenset({"KMP_LAUNCH_ARGS", "KMP_NP"})
+_LAUNCHER_VARS = frozenset({"KMP_LAUNCH_ARGS", "KMP_NP", *LOCAL_RUN_VARS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +239,9 @@ def build_command(
             f"-np {np} needs {np} slots, but the hosts ({listed}) provide {total}. "
             "Add slots (-H host:N) or hosts, or lower -np."
         )
+    local = local_argv(engine, hosts, np, python, command)
+    if local is not None:  # a JAX job on this machine: kmp's own launcher, no horovodrun
+        return LaunchPlan(argv=local, env=env, horovodrun=False)
     if ssh_port is not None and (isinstance(ssh_port, bool) or not 1 <= int(ssh_port) <= 65535):
         raise LaunchError(f"--ssh-port must be a TCP port from 1 to 65535, got {ssh_port!r}.")
     if ssh_identity_file is not None and not Path(ssh_identity_file).is_file():

@@ -121,8 +121,14 @@ def init(engine: str = "auto") -> World:
         return _STATE.world
     n = _env.launched_world_size()
     elastic = _env.launched_elastic()
-    if chosen == "jax" and n is not None and n > 1:
-        return _start_jax(n)
+    local_run = _env.launched_local_run_size()
+    if chosen == "jax" and (n or local_run or 1) > 1:
+        return _start_jax(n or local_run)
+    if chosen == "horovod" and n is None and local_run is not None:
+        raise ValueError(
+            "This process was started by kmp's local launcher (KMP_SIZE), which runs JAX-engine "
+            "jobs; Horovod needs horovodrun. Launch with kmp launch (--engine horovod)."
+        )
     hvd = None
     if chosen == "horovod" and (n is not None or elastic):
         hvd = _horovod.start(n or 1, elastic=elastic)
