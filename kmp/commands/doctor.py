@@ -98,12 +98,13 @@ def collect() -> dict:
 
     hw = hardware.detect()
     auto, reason = choose_policy(hw)
+    tf_build = _tensorflow_facts()  # the one reader of which TensorFlow wheel is installed
     info = {
         "kmp": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "tensorflow": _version("tensorflow") or _version("tensorflow-cpu"),
-        "tensorflow_build": _tensorflow_facts(),
+        "tensorflow": tf_build["version"] if tf_build else None,
+        "tensorflow_build": tf_build,
         "keras": {"version": keras.__version__, "backend": keras.backend.backend()},
         "horovod": _horovod_facts(),
         "tensorflow_datasets": _version("tensorflow-datasets"),

@@ -312,17 +312,14 @@ def grouped_allreduce(
     comp = normalize_compression(compression)
     bucket_bytes = check_bucket_bytes(bucket_bytes)
     tensors = list(tensors)
+    idx = [i for i, t in enumerate(tensors) if t is not None]
     if _jax_engine():  # host values, outside the step: no compression or buckets to use
-        idx = [i for i, t in enumerate(tensors) if t is not None]
         result = list(tensors)
         for i, r in zip(idx, _jax.grouped_allreduce([tensors[i] for i in idx], op), strict=True):
             result[i] = r
         return result
     hvd = _engine()
-    if hvd is None:
-        return tensors
-    idx = [i for i, t in enumerate(tensors) if t is not None]
-    if not idx:
+    if hvd is None or not idx:
         return tensors
     import tensorflow as tf
 
