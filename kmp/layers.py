@@ -6,27 +6,51 @@ would be computed from them. :func:`float32_outputs` rebuilds a Sequential or
 Functional model so that each output layer produces *logits*, and a
 :class:`Float32Output` layer then casts the logits to float32 and applies the
 final activation (softmax, sigmoid, ...) in float32.
+
+Any other model (a subclassed model, a KerasHub task model such as
+``GPT2CausalLM``) cannot be rebuilt from its layers: it is given float32
+outputs in place instead, by moving it to a subclass of its own class that
+casts every 16-bit floating output of ``call`` to float32 (:class:`Float32Outputs`).
+Its logits are still computed in 16 bits (no float32 copy of the vocabulary
+matmul); the loss then reads them in float32.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import keras
 from keras import ops
 
-__all__ = ["Float32Output", "float32_outputs"]
+__all__ = ["Float32Output", "Float32Outputs", "float32_outputs", "has_float32_outputs"]
 
 _LINEAR_NAMES = ("linear", None)
 
 
 def _activation_name(activation: Any) -> str | None:
+    """The activation's name: a built-in's (``"softmax"``), else its registered or class name.
+
+    Never raises: an activation Keras cannot serialize is named by its Python name
+    (``"unknown:<name>"`` when even that is missing), so callers report it instead of
+    guessing.
+    """
     if activation is None:
         return None
-    name = keras.activations.serialize(activation)
-    if isinstance(name, dict):  # custom or parametrised activation
-        return name.get("config", {}).get("name") or name.get("class_name")
-    return name
+    try:
+        name = keras.activations.serialize(activation)
+    except Exception:  # an unserializable callable is still named
+        name = None
+    if isinstance(name, dict):  # custom, registered or parametrised activation
+        config = name.get("config")
+        if isinstance(config, dict) and isinstance(config.get("name"), str):
+            return config["name"]
+        if isinstance(config, str):  # a registered function: "keras_hub>gelu_approximate"
+            return config
+        name = name.get("registered_name") or name.get("class_name")
+    if isinstance(name, str):
+        return name
+    return getattr(activation, "__name__", None) or f"unknown:{type(activation).__name__}"
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -62,6 +86,99 @@ class Float32Output(keras.layers.Layer):
         return config
 
 
+_LOW_FLOATS = ("float16", "bfloat16")
+
+
+def _cast_low_floats(outputs: Any) -> Any:
+    """``outputs`` with every float16/bfloat16 tensor cast to float32, the rest as they are."""
+
+    def cast(t: Any) -> Any:
+        dtype = getattr(t, "dtype", None)
+        if dtype is not None and keras.backend.standardize_dtype(dtype) in _LOW_FLOATS:
+            return ops.cast(t, "float32")
+        return t
+
+    return keras.tree.map_structure(cast, outputs)
+
+
+@keras.saving.register_keras_serializable(package="kmp", name="Float32Outputs")
+class Float32Outputs:
+    """Mixin for a model whose floating outputs leave ``call`` in float32.
+
+    :func:`float32_outputs` moves a model it cannot rebuild (subclassed, KerasHub
+    task models) to ``Float32Outputs[<its class>]``, a subclass of both: the model
+    keeps its class (``isinstance(model, keras_hub.models.GPT2CausalLM)`` stays
+    true), its layers, weights, ``fit``/``evaluate``/``predict``/``generate`` and
+    its config, and ``call`` casts every float16/bfloat16 output to float32. Such a
+    model saves as ``"kmp>Float32Outputs"`` wrapping its own config and loads back
+    the same way with :func:`kmp.load_model` (or ``keras.saving.load_model`` once
+    ``kmp.layers`` is imported). Never instantiate it directly.
+    """
+
+    _kmp_base: type | None = None  # the model's own class, set on each subclass
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        return _cast_low_floats(super().call(*args, **kwargs))  # type: ignore[misc]
+
+    def get_config(self) -> dict:  # noqa: D102
+        base = self._kmp_base
+        return {
+            "model": {
+                "module": base.__module__,
+                "class_name": base.__name__,
+                "config": super().get_config(),  # type: ignore[misc]
+                "registered_name": keras.saving.get_registered_name(base),
+            }
+        }
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: dict | None = None) -> keras.Model:  # noqa: D102
+        model = keras.saving.deserialize_keras_object(
+            config["model"], custom_objects=custom_objects
+        )
+        _move_to_float32_class(model)
+        return model
+
+
+@functools.cache
+def _float32_class(base: type) -> type:
+    """The one ``Float32Outputs`` subclass of ``base`` (created once per class)."""
+    cls = type(
+        base.__name__,
+        (Float32Outputs, base),
+        {"__module__": base.__module__, "__qualname__": base.__qualname__, "_kmp_base": base},
+    )
+    # Saved under the mixin's name, whichever class it wraps (from_config dispatches).
+    return keras.saving.register_keras_serializable(package="kmp", name="Float32Outputs")(cls)
+
+
+def _move_to_float32_class(model: keras.Model) -> None:
+    # Keras caches the call signature per instance; the subclass only wraps ``call``.
+    object.__setattr__(model, "__class__", _float32_class(type(model)))
+
+
+def has_float32_outputs(model: Any) -> bool:
+    """True when ``model``'s ``call`` casts its 16-bit floating outputs to float32.
+
+    That is, the model went through :func:`float32_outputs`'s in-place path
+    (subclassed and KerasHub models). A rebuilt Sequential or Functional model
+    shows its float32 outputs in ``model.outputs`` instead.
+    """
+    return isinstance(model, Float32Outputs)
+
+
+def _computes_in_low_precision(model: keras.Model) -> bool:
+    layers = [model, *model._flatten_layers(include_self=False)]
+    return any(getattr(layer, "compute_dtype", None) in _LOW_FLOATS for layer in layers)
+
+
+def _float32_outputs_in_place(model: keras.Model) -> keras.Model:
+    if isinstance(model, Float32Outputs) or not _computes_in_low_precision(model):
+        return model
+    _move_to_float32_class(model)
+    return model
+
+
 def _needs_float32_head(layer: keras.layers.Layer, tensor: Any) -> bool:
     if isinstance(layer, Float32Output):
         return False
@@ -69,43 +186,49 @@ def _needs_float32_head(layer: keras.layers.Layer, tensor: Any) -> bool:
 
 
 def float32_outputs(model: keras.Model) -> keras.Model:
-    """Return a copy of ``model`` whose outputs are float32, activations included.
+    """Return ``model`` with float32 outputs, activations included where it can.
 
-    For each model output produced by a layer that computes in a lower
-    precision, the layer is rebuilt without its final activation (so it
-    produces logits) and followed by :class:`Float32Output` with that
-    activation: softmax and sigmoid are then computed in float32 from the
-    logits, not cast after a float16 softmax. ``Activation`` and ``Softmax``
-    output layers are replaced by ``Float32Output`` directly. Weights are copied;
-    the original model is left untouched. Outputs that are already float32 are
-    kept as they are, so calling this twice changes nothing.
+    A Sequential or Functional model is copied: for each model output produced
+    by a layer that computes in a lower precision, the layer is rebuilt without
+    its final activation (so it produces logits) and followed by
+    :class:`Float32Output` with that activation: softmax and sigmoid are then
+    computed in float32 from the logits, not cast after a float16 softmax.
+    ``Activation`` and ``Softmax`` output layers are replaced by
+    ``Float32Output`` directly. Weights are copied; the original model is left
+    untouched.
+
+    Any other model (subclassed, or a KerasHub task model such as
+    ``GPT2CausalLM``, ``GemmaCausalLM``, ``BertTextClassifier``) is changed **in
+    place** and returned: it moves to a subclass of its own class
+    (:class:`Float32Outputs`) whose ``call`` casts every float16/bfloat16 output
+    to float32, so the loss reads float32 logits while the head's matmul stays
+    16-bit. It keeps its class, layers, weights and methods (``generate``
+    included, which samples from its own 16-bit logits). An activation inside
+    such a model's last layer is not moved: make it produce logits (KerasHub
+    task models do) and put the activation in the loss (``from_logits=True``).
+
+    Outputs that are already float32 are kept as they are, so calling this twice
+    changes nothing.
 
     Args:
-        model: A built Sequential or Functional Keras model.
+        model: A Keras model; a Sequential model must have an input shape.
 
     Returns:
-        A Functional model with the same inputs, weights and names.
+        The Functional copy, or ``model`` itself (in place, or already float32).
 
     Raises:
-        TypeError: ``model`` is not a Keras model, or is a subclassed model (its
-            layers cannot be rebuilt): add ``kmp.layers.Float32Output(activation)``
-            as its last step instead, with the last layer producing logits.
-        ValueError: The model has no defined inputs (build or call it first).
+        TypeError: ``model`` is not a Keras model.
+        ValueError: A Sequential or Functional model has no defined inputs (build
+            or call it first).
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
-            f"float32_outputs expects a Keras Sequential or Functional model, got "
-            f"{type(model).__name__}. For a single layer, add kmp.layers.Float32Output "
-            "after it instead."
+            f"float32_outputs expects a Keras model, got {type(model).__name__}. For a "
+            "single layer, add kmp.layers.Float32Output after it instead."
         )
     is_functional = isinstance(model, keras.Sequential) or type(model).__name__ == "Functional"
     if not is_functional:
-        raise TypeError(
-            f"float32_outputs cannot rebuild the subclassed model {type(model).__name__!r}: "
-            "its layers and calls are Python code. Instead, make the last layer produce "
-            "logits and return kmp.layers.Float32Output('softmax')(logits) (or sigmoid) from "
-            "call(); kmp.audit(model) then checks the result."
-        )
+        return _float32_outputs_in_place(model)
     try:
         outputs = model.outputs
     except (AttributeError, ValueError) as exc:

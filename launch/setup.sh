@@ -15,6 +15,8 @@
 #      NCCL; otherwise tensorflow-cpu==2.21.0. `kmp install-horovod --dry-run` prints it.
 #   3. The plan's TensorFlow and the pinned packages of requirements.txt, then kmp itself
 #      (editable).
+#      KerasHub (requirements-hub.txt: keras-hub without its tensorflow-text requirement)
+#      unless KMP_HUB=0.
 #   4. `kmp install-horovod`: Horovod 0.28.1 compiled against that TensorFlow (TensorFlow
 #      ops, Gloo, MPI when OpenMPI's mpicxx is on PATH, NCCL on GPUs, the TensorFlow >= 2.19
 #      source fix), verified, and its wheel cached in ~/.cache/kmp (KMP_CACHE_DIR) so that
@@ -48,8 +50,9 @@ find_python() {
 
 want_stamp() {
   # Everything that decides what is installed: the files and the plan.
-  cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml" "${BASH_SOURCE[0]}" \
-    "$ROOT/kmp/commands/install_plan.py" | sha256sum | cut -c1-16
+  cat "$ROOT/requirements.txt" "$ROOT/requirements-hub.txt" "$ROOT/pyproject.toml" \
+    "${BASH_SOURCE[0]}" "$ROOT/kmp/commands/install_plan.py" | sha256sum | cut -c1-16
+  echo "hub=${KMP_HUB:-1}"
   echo "$PLAN"
 }
 
@@ -111,6 +114,14 @@ if [ "${KMP_SETUP_FORCE:-0}" = 1 ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" !
   # tf-keras (Keras 2, for TF_USE_LEGACY_KERAS=1) without its dependencies: they would
   # pull the full `tensorflow` wheel over tensorflow-cpu; everything it needs is there.
   pip_q install -q --disable-pip-version-check --no-deps tf-keras==2.21.0
+  # KerasHub, the optional extra (KMP_HUB=0 leaves it out; its tests then skip): what it
+  # imports, with dependencies, then keras-hub itself without them, so that its
+  # tensorflow-text requirement cannot pull a second TensorFlow (requirements-hub.txt).
+  if [ "${KMP_HUB:-1}" != 0 ]; then
+    pip_q install -q --disable-pip-version-check -r "$ROOT/requirements-hub.txt"
+    pip_q install -q --disable-pip-version-check --no-deps \
+      "$(sed -n 's/^# no-deps: //p' "$ROOT/requirements-hub.txt")"
+  fi
   pip_q install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"
   log "packages installed in $((SECONDS - t0)) s"
 fi

@@ -98,23 +98,88 @@ def test_float32_model_is_returned_unchanged():
     assert kmp.float32_outputs(model) is model
 
 
-def test_subclassed_model_gets_a_clear_error():
-    class Net(keras.Model):
+@keras.saving.register_keras_serializable(package="kmp_tests")
+class Net(keras.Model):
+    """A subclassed model: two Dense layers, logits out, in Python code."""
+
+    def __init__(self, units=3, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.head = keras.layers.Dense(units)
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_subclassed_model_gets_float32_outputs_in_place(policy, tmp_path):
+    kmp.enable(policy, hardware=GPU_HW)
+    net = Net(name="net")
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    before = keras.ops.convert_to_numpy(net(x))
+    assert str(before.dtype) in ("float16", "bfloat16")
+    assert not kmp.layers.has_float32_outputs(net)
+
+    fixed = kmp.float32_outputs(net)
+    assert fixed is net  # changed in place: same object, layers and weights
+    assert isinstance(net, Net) and type(net).__name__ == "Net"
+    assert kmp.layers.has_float32_outputs(net)
+    assert net.head.compute_dtype == keras.config.dtype_policy().compute_dtype  # still 16-bit
+    out = keras.ops.convert_to_numpy(net(x))
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, before.astype("float32"))  # a cast, nothing else
+    assert net.predict(x, verbose=0).dtype == np.float32
+    # Twice changes nothing (the class is not wrapped again).
+    cls = type(net)
+    assert kmp.float32_outputs(net) is net and type(net) is cls
+
+    net.compile(optimizer=kmp.wrap_optimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    history = net.fit(x, np.zeros((4, 3), "float32"), epochs=2, batch_size=4, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert history.history["loss"][1] < history.history["loss"][0]
+
+    path = tmp_path / "net.keras"
+    net.save(path)
+    loaded = kmp.load_model(path)
+    assert isinstance(loaded, Net) and kmp.layers.has_float32_outputs(loaded)
+    assert loaded.units == 3
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(loaded(x)), keras.ops.convert_to_numpy(net(x))
+    )
+    assert kmp.audit(loaded).ok
+
+
+def test_subclassed_float32_model_is_returned_unchanged():
+    net = Net()
+    net(np.ones((1, 6), "float32"))
+    assert kmp.float32_outputs(net) is net
+    assert type(net) is Net and not kmp.layers.has_float32_outputs(net)
+
+
+def test_float32_outputs_casts_only_16bit_floats():
+    kmp.enable("mixed_bfloat16", hardware=GPU_HW)
+
+    class TwoOutputs(keras.Model):
         def __init__(self):
             super().__init__()
             self.d = keras.layers.Dense(2)
 
         def call(self, x):
-            return self.d(x)
+            logits = self.d(x)
+            return {"logits": logits, "ids": keras.ops.argmax(logits, axis=-1)}
 
-    net = Net()
-    net(np.ones((1, 3), "float32"))
-    with pytest.raises(TypeError, match="Float32Output"):
-        kmp.float32_outputs(net)
+    model = kmp.float32_outputs(TwoOutputs())
+    out = model(np.ones((3, 4), "float32"))
+    assert out["logits"].dtype == "float32"
+    assert "int" in str(out["ids"].dtype)
 
 
 def test_non_model_gets_a_clear_error():
-    with pytest.raises(TypeError, match="Sequential or Functional"):
+    with pytest.raises(TypeError, match="expects a Keras model"):
         kmp.float32_outputs(keras.layers.Dense(3))
 
 
