@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 
 import kmp
@@ -61,21 +62,93 @@ def test_policy_mismatch_is_flagged():
     assert report.ok  # a warning, not an error
 
 
+class NaiveNormalization(keras.layers.Layer):
+    """Mean and variance computed in the compute dtype: float16 overflows at x ~ 300."""
+
+    def call(self, x):
+        mean = keras.ops.mean(x, axis=-1, keepdims=True)
+        var = keras.ops.mean(x * x, axis=-1, keepdims=True) - mean * mean
+        return (x - mean) / keras.ops.sqrt(var + 1e-3)
+
+
+class UpcastingNorm(keras.layers.Layer):
+    """The same statistics computed in float32, cast back: not a finding."""
+
+    def call(self, x):
+        x32 = keras.ops.cast(x, "float32")
+        mean = keras.ops.mean(x32, axis=-1, keepdims=True)
+        var = keras.ops.mean(x32 * x32, axis=-1, keepdims=True) - mean * mean
+        return keras.ops.cast((x32 - mean) / keras.ops.sqrt(var + 1e-3), self.compute_dtype)
+
+
+def norm_model(*norms):
+    inp = keras.Input((8,))
+    x = keras.layers.Dense(8)(inp)
+    for norm in norms:
+        x = norm(x)
+    return keras.Model(inp, kmp.layers.Float32Output()(x))
+
+
 def test_low_precision_custom_normalization_warns():
-    @keras.saving.register_keras_serializable(package="kmp_tests")
-    class MyNormalization(keras.layers.Layer):
-        def call(self, x):
-            mean = keras.ops.mean(x, axis=-1, keepdims=True)
-            return x - mean
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+    model = norm_model(
+        NaiveNormalization(name="my_normalization"),
+        keras.layers.BatchNormalization(),  # upcasts internally: not flagged
+    )
+    report = kmp.audit(model)
+    flagged = [f for f in report.findings if f.code == "low-precision-norm"]
+    assert [f.layer for f in flagged] == ["my_normalization"]
+    assert "non-finite float16 output" in flagged[0].message  # measured, not listed
+    assert flagged[0].severity == "warning"
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_norm_probe_measures_instead_of_listing_classes(policy):
+    kmp.enable(policy, hardware=GPU_HW)
+    model = norm_model(
+        keras.layers.LayerNormalization(name="keras_ln"),
+        UpcastingNorm(name="upcasting_norm"),  # an unknown class that upcasts: fine
+        NaiveNormalization(name="naive_norm"),
+    )
+    report = kmp.audit(model)
+    flagged = {f.layer: f.message for f in report.findings if f.code == "low-precision-norm"}
+    assert list(flagged) == ["naive_norm"]
+    assert "against float32" in flagged["naive_norm"] or "non-finite" in flagged["naive_norm"]
+    assert keras.config.dtype_policy().name == policy  # probes restore the policy
+
+
+def test_norm_probe_numbers_for_keras_layers():
+    from kmp.auditing.probe import Prober
+
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+    prober = Prober()
+    results = {}
+    for layer in (
+        keras.layers.LayerNormalization(),
+        keras.layers.GroupNormalization(groups=2),
+        NaiveNormalization(),
+    ):
+        inp = keras.Input((3, 8))
+        keras.Model(inp, layer(inp))
+        results[type(layer).__name__] = prober.norm(layer)
+    assert results["LayerNormalization"].status == "ok"
+    assert results["LayerNormalization"].error < 4 * 2.0**-10
+    assert results["GroupNormalization"].status == "ok"
+    assert results["NaiveNormalization"].status == "bad"
+
+
+def test_norm_probe_that_cannot_run_is_reported_not_guessed():
+    class NeedsTwoInputsNorm(keras.layers.Layer):
+        def call(self, x, y):
+            return x - y
 
     kmp.enable("mixed_float16", hardware=GPU_HW)
     inp = keras.Input((4,))
-    x = MyNormalization()(keras.layers.Dense(4)(inp))
-    x = keras.layers.BatchNormalization()(x)  # upcasts internally: not flagged
-    out = kmp.layers.Float32Output()(x)
+    out = kmp.layers.Float32Output()(NeedsTwoInputsNorm(name="odd_norm")(inp, inp))
     report = kmp.audit(keras.Model(inp, out))
-    flagged = [f.layer for f in report.findings if f.code == "low-precision-norm"]
-    assert len(flagged) == 1 and "my_normalization" in flagged[0]
+    assert "low-precision-norm" not in report.codes()
+    info = [f for f in report.findings if f.code == "not-checked" and f.layer == "odd_norm"]
+    assert info and info[0].severity == "info" and "not measured" in info[0].message
 
 
 def test_large_float32_layer_costs_speed_warning():
@@ -147,3 +220,321 @@ def test_summary_is_the_table_for_small_models_and_short_for_large_ones():
     assert lines[1].startswith(f"{len(report.rows)} layers: ") and "compute in bfloat16" in lines[1]
     assert "------" not in short  # no table
     assert all(f.code in short for f in report.findings)
+
+
+# --------------------------------------------------------------- never crash on the unknown
+
+
+@keras.saving.register_keras_serializable(package="kmp_tests")
+def approx_gelu(x):
+    return keras.activations.gelu(x, approximate=True)
+
+
+@keras.saving.register_keras_serializable(package="kmp_tests")
+class ScaledTanh:
+    """A parametrised activation: a callable object with a config."""
+
+    def __init__(self, scale=2.0):
+        self.scale = scale
+
+    def __call__(self, x):
+        return self.scale * keras.ops.tanh(x)
+
+    def get_config(self):
+        return {"scale": self.scale}
+
+
+def test_registered_and_parametrised_activations_do_not_crash():
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+    inp = keras.Input((4,))
+    x = keras.layers.Dense(4, activation=approx_gelu, name="registered")(inp)
+    x = keras.layers.Dense(4, activation=ScaledTanh(3.0), name="parametrised")(x)
+    x = keras.layers.Dense(4, activation=lambda t: t * 2, name="anonymous")(x)
+    report = kmp.audit(keras.Model(inp, kmp.layers.Float32Output()(x)))
+    assert report.ok, str(report)
+    assert {"registered", "parametrised", "anonymous"} <= {r.name for r in report.rows}
+
+
+class Block(keras.layers.Layer):
+    """A custom layer whose sublayers only exist inside its call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner_dense = keras.layers.Dense(8, name="inner_dense")
+        self.inner_norm = NaiveNormalization(name="inner_norm")
+
+    def call(self, x):
+        return self.inner_norm(self.inner_dense(x))
+
+
+class Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block = Block(name="block")
+        self.head = keras.layers.Dense(3, name="head")
+
+    def call(self, x):
+        return self.head(self.block(x))
+
+
+def test_subclassed_model_with_nested_sublayers_is_walked():
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+    model = Subclassed(name="sub")
+    model(np.zeros((2, 8), "float32"))
+    report = kmp.audit(model)
+    rows = {r.name: r for r in report.rows}
+    assert {"block", "block/inner_dense", "block/inner_norm", "head"} <= set(rows)
+    assert rows["block/inner_dense"].output_dtype == "?"  # never called symbolically
+    assert rows["block/inner_dense"].compute_dtype == "float16"
+    codes = {(f.code, f.layer) for f in report.findings}
+    assert ("low-precision-norm", "block/inner_norm") in codes  # measured inside the block
+    unknown = [f for f in report.findings if f.code == "not-checked" and f.layer == "sub"]
+    assert unknown and "subclassed" in unknown[0].message
+
+
+def test_layer_whose_dtype_cannot_be_read_is_unknown():
+    class Opaque(keras.layers.Layer):
+        broken = False
+
+        @property
+        def compute_dtype(self):
+            if self.broken:
+                raise RuntimeError("no dtype here")
+            return super().compute_dtype
+
+        def call(self, x):
+            return x
+
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+    inp = keras.Input((4,))
+    x = keras.layers.Dense(4)(inp)
+    opaque = Opaque(name="opaque")
+    model = keras.Model(inp, kmp.layers.Float32Output()(opaque(x)))
+    opaque.broken = True
+    report = kmp.audit(model)
+    row = {r.name: r for r in report.rows}["opaque"]
+    assert row.compute_dtype == "?"
+    assert any(f.code == "not-checked" and f.layer == "opaque" for f in report.findings)
+
+
+def test_audit_changes_neither_the_model_nor_the_policy():
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+    model = norm_model(NaiveNormalization(), keras.layers.LayerNormalization())
+    before = [w.copy() for w in model.get_weights()]
+    policies = [layer.dtype_policy.name for layer in model.layers]
+    kmp.audit(model)
+    assert keras.config.dtype_policy().name == "mixed_float16"
+    assert [layer.dtype_policy.name for layer in model.layers] == policies
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+# --------------------------------------------------------------------- transformer rules
+
+
+class OverflowingMaskAttention(keras.layers.MultiHeadAttention):
+    """Applies its mask with -1e9 in the compute dtype: -inf and NaN in float16.
+
+    Keras runs ``_masked_softmax`` when the layer has dropout (otherwise it uses the
+    backend's fused attention).
+    """
+
+    def _masked_softmax(self, attention_scores, attention_mask=None):
+        if attention_mask is not None:
+            mask = keras.ops.cast(keras.ops.expand_dims(attention_mask, 1), attention_scores.dtype)
+            big = keras.ops.cast(-1e9, attention_scores.dtype)
+            attention_scores = attention_scores + (1.0 - mask) * big
+        return keras.ops.softmax(attention_scores, axis=-1)
+
+
+def attention_model(attention):
+    tokens = keras.Input((4, 8))
+    mask = keras.Input((4, 4), dtype="bool")
+    x = attention(tokens, tokens, attention_mask=mask)
+    return keras.Model([tokens, mask], kmp.layers.Float32Output()(keras.layers.Dense(2)(x)))
+
+
+@pytest.mark.parametrize(
+    ("policy", "severity"),
+    [("mixed_float16", "warning"), ("mixed_bfloat16", "info"), ("float32", None)],
+)
+def test_attention_in_16_bits(policy, severity):
+    keras.config.set_dtype_policy(policy)
+    model = attention_model(keras.layers.MultiHeadAttention(2, 4, name="mha"))
+    report = kmp.audit(model)
+    found = [f for f in report.findings if f.code == "low-precision-attention"]
+    if severity is None:
+        assert found == []
+        return
+    assert [(f.layer, f.severity) for f in found] == [("mha", severity)]
+    assert "Mask check" in found[0].message and "output finite" in found[0].message
+    assert "attention-mask-overflow" not in report.codes()  # Keras's mask fits float16
+
+
+def test_attention_mask_overflow_is_measured():
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+    report = kmp.audit(attention_model(OverflowingMaskAttention(2, 4, dropout=0.1, name="bad_mha")))
+    errors = [f for f in report.errors if f.code == "attention-mask-overflow"]
+    assert [f.layer for f in errors] == ["bad_mha"]
+    assert "non-finite" in errors[0].message
+    assert not report.ok
+
+
+def test_float32_embedding_feeding_16_bit_layers():
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+
+    def build(dtype):
+        inp = keras.Input((5,), dtype="int32")
+        x = keras.layers.Embedding(50, 8, dtype=dtype, name="emb")(inp)
+        x = keras.layers.Dense(4)(x)
+        return keras.Model(inp, kmp.layers.Float32Output()(x))
+
+    found = [f for f in kmp.audit(build("float32")).findings if f.code == "float32-embedding"]
+    assert [(f.layer, f.severity) for f in found] == [("emb", "warning")]
+    assert "float16" in found[0].message
+    assert "float32-embedding" not in kmp.audit(build(None)).codes()
+
+
+def test_large_vocabulary_output_in_16_bits_is_an_error():
+    kmp.enable("mixed_bfloat16", hardware=GPU_HW)
+    inp = keras.Input((8,))
+    model = keras.Model(inp, keras.layers.Dense(3000, name="logits")(inp))
+    report = kmp.audit(model)
+    found = [f for f in report.errors if f.code == "large-vocab-16bit"]
+    assert [f.layer for f in found] == ["logits"]
+    assert "3,000 classes" in found[0].message
+    assert "use kmp.float32_outputs(model)" in found[0].message.lower()
+    fixed = kmp.audit(kmp.float32_outputs(model))
+    assert fixed.ok and "large-vocab-16bit" not in fixed.codes()
+
+
+def test_small_custom_float32_layer_between_16_bit_layers():
+    class Scale(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+        def call(self, x):
+            return x * keras.ops.cast(self.w, x.dtype)
+
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+
+    def build(dtype):
+        inp = keras.Input((8,))
+        x = keras.layers.Dense(8)(inp)
+        x = Scale(dtype=dtype, name="scale")(x)
+        return keras.Model(inp, kmp.layers.Float32Output()(keras.layers.Dense(2)(x)))
+
+    found = [f for f in kmp.audit(build("float32")).findings if f.code == "float32-large-layer"]
+    assert [(f.layer, f.severity) for f in found] == [("scale", "info")]
+    assert "next to layers computing in float16" in found[0].message
+    assert "float32-large-layer" not in kmp.audit(build(None)).codes()
+
+
+def test_rules_are_pure_functions_of_facts():
+    from kmp.auditing.report import LayerFacts, Measurement
+    from kmp.auditing.rules import AuditContext, layer_findings
+
+    ctx = AuditContext("mixed_float16", 1000)
+    facts = LayerFacts(
+        "norm",
+        "MyNorm",
+        "float16",
+        "mixed_float16",
+        kinds=frozenset({"norm"}),
+        norm_probe=Measurement("bad", "relative error 0.5", 0.5),
+    )
+    [finding] = layer_findings(facts, ctx)
+    assert (finding.code, finding.severity) == ("low-precision-norm", "warning")
+    assert "relative error 0.5" in finding.message
+    ok = LayerFacts(
+        "norm",
+        "MyNorm",
+        "float16",
+        "mixed_float16",
+        kinds=frozenset({"norm"}),
+        norm_probe=Measurement("ok", "relative error 0.0001", 1e-4),
+    )
+    assert layer_findings(ok, ctx) == []
+
+
+# ----------------------------------------------------------------------------- KerasHub
+
+
+def _hub():
+    return pytest.importorskip("keras_hub", reason="KerasHub models need keras-hub installed")
+
+
+def test_keras_hub_gpt2_causal_lm():
+    hub = _hub()
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+    backbone = hub.models.GPT2Backbone(
+        vocabulary_size=256,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=16,
+    )
+    model = hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    report = kmp.audit(model)
+    names = {r.name for r in report.rows}
+    attention = "gpt2_backbone/transformer_layer_0/self_attention"
+    assert attention in names and f"{attention}/softmax" in names
+    codes = {(f.code, f.layer, f.severity) for f in report.findings}
+    assert ("low-precision-attention", attention, "warning") in codes
+    # Its symbolic output says float16, but the tied head's matmul really runs (and outputs)
+    # in float32: the audit says what it computes, not what the spec claims.
+    assert ("float32-head-matmul", "token_embedding", "warning") in codes
+    assert "low-precision-output" not in report.codes()
+    x = {"token_ids": np.zeros((1, 16), "int32"), "padding_mask": np.ones((1, 16), "int32")}
+    assert keras.backend.standardize_dtype(model(x).dtype) == "float32"
+    assert "low-precision-norm" not in report.codes()  # Keras LayerNormalization upcasts
+    assert keras.config.dtype_policy().name == "mixed_float16"
+    # After float32_outputs: the matmul in float16, the logits cast, a clean audit.
+    fixed = kmp.float32_outputs(model)
+    assert fixed.backbone.token_embedding.reverse_dtype == "float16"
+    assert keras.backend.standardize_dtype(fixed(x).dtype) == "float32"
+    after = kmp.audit(fixed)
+    assert after.ok and "float32-head-matmul" not in after.codes()
+
+
+def test_keras_hub_gemma_rms_norm_is_measured_not_flagged():
+    hub = _hub()
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+    backbone = hub.models.GemmaBackbone(
+        vocabulary_size=256,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=32,
+        intermediate_dim=64,
+        head_dim=16,
+    )
+    model = hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    report = kmp.audit(model)
+    norms = [r.name for r in report.rows if r.class_name == "RMSNormalization"]
+    assert len(norms) >= 3  # the final norm and the two inside the decoder block
+    assert "low-precision-norm" not in report.codes()  # it upcasts: measured
+    assert not any(f.code == "not-checked" and f.layer in norms for f in report.findings)
+    attention = [f for f in report.findings if f.code == "low-precision-attention"]
+    assert attention and attention[0].severity == "info"  # its softmax is float32
+    assert "policy-mismatch" not in report.codes()  # the float32 softmax is by design
+
+
+def test_keras_hub_bert_text_classifier():
+    hub = _hub()
+    kmp.enable("mixed_bfloat16", hardware=GPU_HW)
+    backbone = hub.models.BertBackbone(
+        vocabulary_size=256,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=16,
+    )
+    model = hub.models.BertTextClassifier(backbone=backbone, num_classes=2, preprocessor=None)
+    report = kmp.audit(model)
+    assert any(r.name.endswith("/self_attention_layer") for r in report.rows)
+    attention = [f for f in report.findings if f.code == "low-precision-attention"]
+    assert attention and all(f.severity == "info" for f in attention)  # bfloat16
+    assert "low-precision-output" in {f.code for f in report.errors}
+    assert "low-precision-norm" not in report.codes()
