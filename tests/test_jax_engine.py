@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, requires_horovod
+from conftest import ROOT, requires_horovod, run_workers
 
 from kmp import _launcher_env as env
 from kmp.commands.engine_launch import jax_env, pick_port, port_is_free
@@ -21,6 +21,7 @@ from kmp.commands.launch import build_command
 from kmp.distributed.engines import choose_engine
 
 WORKER = ROOT / "tests" / "distributed" / "worker_jax_engine.py"
+SEED_WORKER = ROOT / "tests" / "distributed" / "worker_jax_seed.py"
 KMP = [sys.executable, "-m", "kmp.cli"]
 
 
@@ -184,6 +185,81 @@ def test_kmp_launch_refuses_jax_with_the_tensorflow_backend(tmp_path):
         timeout=120,
     )
     assert r.returncode == 2 and "--engine jax runs Keras on its JAX backend" in r.stderr
+
+
+# ------------------------------------------- process 0's initial values (the hook)
+
+
+def test_the_keras_hook_point_of_the_jax_engine_exists():
+    # A Keras upgrade that moves JaxVariable._initialize is caught here, not in a user's job.
+    import keras
+
+    from kmp.distributed import _jax
+
+    cls, method = _jax._hook_point()
+    assert cls.__name__ == "JaxVariable" and method is cls.__dict__["_initialize"]
+    try:
+        _jax.install_initial_values_hook()
+        _jax.install_initial_values_hook()  # idempotent: wrapped once
+        wrapped = cls.__dict__["_initialize"]
+        assert wrapped._kmp_original is method and _jax._hook_point() == (cls, wrapped)
+    finally:
+        _jax.remove_initial_values_hook()
+    assert cls.__dict__["_initialize"] is method
+    _jax.remove_initial_values_hook()  # nothing installed: nothing to do
+    # Without kmp's distribution (here: none) a value passes through untouched.
+    value = np.arange(3.0)
+    assert _jax._from_process_0(value) is value
+    assert issubclass(_jax.data_parallel_class(), keras.distribution.DataParallel)
+
+
+def test_a_keras_without_the_hook_point_fails_at_engine_start(monkeypatch):
+    from kmp.distributed import _jax
+
+    point = ("keras.src.backend.jax.core", "JaxVariable", "_gone", ("self", "value"))
+    monkeypatch.setattr(_jax, "HOOK_POINT", point)
+    with pytest.raises(RuntimeError, match=r"JaxVariable\._gone.*keras==3\.15.*--engine horovod"):
+        _jax.start("127.0.0.1:1", 2, 0, timeout_s=1)  # before joining: nothing started
+
+
+def _assert_started_from_process_0(ranks: list[dict], engine: str) -> None:
+    assert [r["engine"] for r in ranks] == [engine, engine]
+    assert ranks[0]["own_vs_ref0"] == 0.0 and ranks[1]["own_vs_ref0"] > 0.1  # seeds differ
+    for r in ranks:
+        assert r["started_vs_ref0"] == 0.0, r  # training starts from process 0's model
+        assert r["final_spread"] == r["opt_spread"] == 0.0, r
+        assert r["trained"] > 0 and r["finite"], r
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_per_process_seeds_build_process_0s_model_on_the_jax_engine(tmp_path):
+    # keras.utils.set_random_seed(1000 + rank) after init(): JAX's device_put would refuse
+    # the different initial values; kmp gives every variable process 0's value instead.
+    run_env = {**os.environ, "KMP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    run_env.pop("KERAS_BACKEND", None)
+    r = subprocess.run(
+        [*KMP, "launch", "--engine", "jax", "-np", "2", str(SEED_WORKER)],
+        capture_output=True,
+        text=True,
+        env=run_env,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    _assert_started_from_process_0(ranks, "jax")
+    for rank in ranks:  # already at creation, and dropout's seed state as well
+        assert rank["built_vs_ref0"] == rank["seed_spread"] == 0.0, rank
+
+
+@requires_horovod
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_same_per_process_seed_script_under_horovod():
+    ranks = run_workers(SEED_WORKER, env={"KERAS_BACKEND": "tensorflow"}, timeout=300)
+    _assert_started_from_process_0(ranks, "horovod")  # by BroadcastInitialState
+    assert ranks[1]["built_vs_ref0"] > 0.1  # before the broadcast, process 1 had its own
 
 
 # ----------------------------------------------------------- real processes

@@ -3,12 +3,13 @@
 :mod:`kmp.distributed.world` starts it (:func:`start`): the process group from
 the launcher's environment (``jax.distributed.initialize``), Gloo collectives
 for CPU devices, and a Keras ``DataParallel`` distribution over every device
-of every process, and one random seed for all of them (Keras, Python and NumPy:
-a variable must be created with the same value on every process; call
-``keras.utils.set_random_seed`` after ``init()``, with the same seed everywhere, to choose
-it). Keras then computes each step's gradients over the global
-batch, so they are already averaged: kmp's optimizer does not reduce them
-again, and a non-finite gradient is seen by every process alike.
+of every process, and one random seed for all of them (Keras, Python and NumPy).
+A variable created under that distribution starts from process 0's value on every
+process (:func:`install_initial_values_hook`), as Horovod's initial broadcast gives, so a
+script that seeds each process differently after ``init()`` runs unchanged. Keras then
+computes each step's gradients over the global batch, so they are already averaged:
+kmp's optimizer does not reduce them again, and a non-finite gradient is seen by every
+process alike.
 
 The collectives here serve what the training loop needs outside the step
 (broadcasting the initial state, averaging metrics, gathering results). They
@@ -20,6 +21,8 @@ case (:mod:`kmp.distributed.collectives` does).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import pickle
 import socket
 import sys
@@ -35,10 +38,19 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "broadcast_values",
+    "data_parallel_class",
     "grouped_allreduce",
+    "install_initial_values_hook",
     "local_layout",
+    "remove_initial_values_hook",
     "start",
 ]
+
+# The one point of Keras kmp wraps (keras/src/backend/jax/core.py, Keras 3.15): every
+# variable created eagerly from a concrete value (an initializer's output, or a value)
+# passes through JaxVariable._initialize(self, value) before JAX lays it out over the
+# devices, where JAX checks that every process passes the same value.
+HOOK_POINT = ("keras.src.backend.jax.core", "JaxVariable", "_initialize", ("self", "value"))
 
 _REDUCE = {
     "average": lambda a: a.mean(axis=0),
@@ -59,6 +71,15 @@ def start(
 ) -> None:
     """Join the JAX process group and set Keras's data-parallel distribution.
 
+    Every process gets process 0's random seed (Keras, Python and NumPy), and
+    every variable created under kmp's distribution (weights, optimizer slots,
+    metrics, dropout's ``SeedGenerator`` state) starts from process 0's value:
+    kmp broadcasts it, one collective per variable, before JAX lays it out. So a
+    script that seeds each process differently (``keras.utils.set_random_seed(1000
+    + rank)``) builds the same model as under Horovod after the initial broadcast:
+    process 0's. Variables created inside :func:`alone` stay as this process made
+    them, and assigning a variable later (``load_weights``) is not changed.
+
     Args:
         coordinator: ``host:port`` of process 0's coordinator service.
         num_processes: How many processes the job has.
@@ -71,10 +92,13 @@ def start(
     Raises:
         RuntimeError: The group did not form within ``timeout_s`` (a process did
             not start, or cannot reach the coordinator), or the coordinator's
-            port is taken; the message says which and what to do.
+            port is taken; the message says which and what to do. Also raised
+            before joining when this Keras lacks the hook point kmp needs
+            (:data:`HOOK_POINT`).
     """
     import jax
 
+    install_initial_values_hook()
     _check_coordinator(coordinator, process_id, timeout_s)
     print(
         f"[kmp] process {process_id} of {num_processes} joins the JAX job at {coordinator}; "
@@ -107,8 +131,98 @@ def start(
     seed = broadcast_object(random.SystemRandom().randrange(2**31), 0)
     keras.utils.set_random_seed(seed)
     keras.distribution.set_distribution(
-        keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
+        data_parallel_class()(devices=jax.devices(), auto_shard_dataset=False)
     )
+
+
+@functools.cache
+def data_parallel_class() -> type:
+    """Return kmp's ``keras.distribution.DataParallel``, whose new variables start from process 0.
+
+    It is Keras's ``DataParallel``; the hook (:func:`install_initial_values_hook`)
+    acts only while an instance of it is Keras's distribution, so a distribution
+    the user sets is left as Keras made it.
+    """
+    import keras
+
+    class FromProcess0DataParallel(keras.distribution.DataParallel):
+        """Keras's ``DataParallel``; new variables start from process 0's values (kmp)."""
+
+    return FromProcess0DataParallel
+
+
+def _hook_point() -> tuple[type, Any]:
+    """Return Keras's ``JaxVariable`` class and its own ``_initialize``, or fail clearly."""
+    import importlib
+
+    module_name, class_name, method_name, params = HOOK_POINT
+    where = f"{module_name}.{class_name}.{method_name}{params}"
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        method = cls.__dict__[method_name]
+        found = tuple(inspect.signature(method).parameters)
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError) as exc:
+        found, cls, method = (f"missing: {type(exc).__name__}: {exc}",), None, None
+    if found != params:
+        import keras
+
+        raise RuntimeError(
+            f"kmp's JAX engine gives every process process 0's initial variable values through "
+            f"Keras's {where}, which this Keras ({keras.__version__}) does not have ({found}). "
+            "Install the Keras kmp supports (keras==3.15.*), or use the Horovod engine "
+            "(kmp launch --engine horovod)."
+        )
+    return cls, method
+
+
+def install_initial_values_hook() -> None:
+    """Make variables created under kmp's distribution start from process 0's values.
+
+    Wraps Keras's ``JaxVariable._initialize`` (:data:`HOOK_POINT`; Keras has no
+    public hook for a variable's initial value). The wrapper broadcasts the
+    value from process 0 while :func:`data_parallel_class`'s distribution is set,
+    and does nothing otherwise. Idempotent.
+
+    Raises:
+        RuntimeError: This Keras has no such method; the message says what to install.
+    """
+    cls, method = _hook_point()
+    if getattr(method, "_kmp_original", None) is not None:
+        return
+
+    @functools.wraps(method)
+    def _initialize(variable: Any, value: Any) -> Any:
+        return method(variable, _from_process_0(value))
+
+    _initialize._kmp_original = method  # type: ignore[attr-defined]
+    cls._initialize = _initialize
+
+
+def remove_initial_values_hook() -> None:
+    """Put Keras's own ``JaxVariable._initialize`` back (nothing to do if not installed)."""
+    cls, method = _hook_point()
+    original = getattr(method, "_kmp_original", None)
+    if original is not None:
+        cls._initialize = original
+
+
+def _from_process_0(value: Any) -> Any:
+    """Return process 0's ``value`` while kmp's distribution is set, else ``value`` itself."""
+    import jax
+    import keras
+
+    if not isinstance(keras.distribution.distribution(), data_parallel_class()):
+        return value
+    if isinstance(value, jax.core.Tracer):
+        return value
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        return value  # already laid out over every process
+    host = np.asarray(value)
+    sent = host.view(np.uint8) if host.dtype == np.bool_ else host
+    (got,) = broadcast_values([sent], 0)
+    # A NumPy value: under the distribution the variable always has a layout, and JAX
+    # places the host value straight onto every device.
+    return got.view(np.bool_) if host.dtype == np.bool_ else got.astype(host.dtype, copy=False)
 
 
 def _check_coordinator(coordinator: str, process_id: int, timeout_s: int) -> None:

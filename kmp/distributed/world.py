@@ -96,7 +96,11 @@ def init(engine: str = "auto") -> World:
     ``local_rank % n_gpus`` and a ``RuntimeWarning`` says so; see
     :func:`kmp.gpu.configure_gpus`). With JAX it joins the process group at the
     launcher's coordinator and sets a Keras ``DataParallel`` distribution over
-    every device of every process. Started without a launcher, or launched as a
+    every device of every process; every variable created under it starts from
+    process 0's value (one broadcast per variable), so a script that seeds each
+    process differently after ``init()`` builds process 0's model everywhere, as
+    Horovod's ``BroadcastInitialState`` gives (see :func:`kmp.distributed._jax.start`).
+    Started without a launcher, or launched as a
     single Horovod process without Horovod installed, it sets up a world of one
     process and does nothing else. A second call returns the same world.
 
@@ -112,7 +116,8 @@ def init(engine: str = "auto") -> World:
             the launcher's ``--engine``, or a bad launcher variable.
         ImportError: The launcher started more than one process but Horovod
             cannot be imported; the message says how to install it.
-        RuntimeError: The JAX processes did not all join in time.
+        RuntimeError: The JAX processes did not all join in time, or this Keras
+            lacks the hook the JAX engine needs (the message says what to install).
     """
     import keras
 
@@ -305,6 +310,8 @@ def _reset_for_tests() -> None:
     """
     if _STATE.hvd is not None and "horovod.tensorflow" in sys.modules:
         raise RuntimeError("Cannot reset a running Horovod job.")
+    if _STATE.jax:
+        _jax.remove_initial_values_hook()
     _STATE.initialized = False
     _STATE.hvd = None
     _STATE.jax = False
