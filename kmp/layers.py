@@ -23,7 +23,13 @@ from typing import Any
 import keras
 from keras import ops
 
-__all__ = ["Float32Output", "Float32Outputs", "float32_outputs", "has_float32_outputs"]
+__all__ = [
+    "Float32Output",
+    "Float32Outputs",
+    "float32_outputs",
+    "has_float32_outputs",
+    "upcasting_reverse_head",
+]
 
 _LINEAR_NAMES = ("linear", None)
 
@@ -172,9 +178,30 @@ def _computes_in_low_precision(model: keras.Model) -> bool:
     return any(getattr(layer, "compute_dtype", None) in _LOW_FLOATS for layer in layers)
 
 
+def upcasting_reverse_head(layer: Any) -> bool:
+    """True for a tied ``ReversibleEmbedding`` whose vocabulary matmul silently runs in float32.
+
+    Keras's ``ReversibleEmbedding`` (KerasHub's LM heads) reads its float32 embedding
+    without autocasting, so with no ``reverse_dtype`` of its own the reverse matmul
+    multiplies 16-bit hidden states by the float32 table: the backend upcasts and the
+    whole vocabulary matmul runs in float32, whatever its symbolic output dtype says.
+    """
+    reversible = getattr(keras.layers, "ReversibleEmbedding", None)
+    return (
+        reversible is not None
+        and isinstance(layer, reversible)
+        and getattr(layer, "tie_weights", False)
+        and getattr(layer, "reverse_dtype", "set") is None
+        and layer.compute_dtype in _LOW_FLOATS
+    )
+
+
 def _float32_outputs_in_place(model: keras.Model) -> keras.Model:
     if isinstance(model, Float32Outputs) or not _computes_in_low_precision(model):
         return model
+    for layer in model._flatten_layers(include_self=False):
+        if upcasting_reverse_head(layer):  # the matmul in 16 bits; call() casts the logits
+            layer.reverse_dtype = layer.compute_dtype
     _move_to_float32_class(model)
     return model
 
@@ -206,6 +233,11 @@ def float32_outputs(model: keras.Model) -> keras.Model:
     included, which samples from its own 16-bit logits). An activation inside
     such a model's last layer is not moved: make it produce logits (KerasHub
     task models do) and put the activation in the loss (``from_logits=True``).
+    A tied ``ReversibleEmbedding`` head (KerasHub's language models) without a
+    ``reverse_dtype`` of its own gets the compute dtype as ``reverse_dtype``:
+    Keras would otherwise upcast its whole vocabulary matmul to float32 (see
+    :func:`upcasting_reverse_head`); set ``reverse_dtype="float32"`` on it first
+    to keep that.
 
     Outputs that are already float32 are kept as they are, so calling this twice
     changes nothing.
