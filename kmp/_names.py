@@ -1,6 +1,7 @@
 """kmp's vocabularies: every accepted name, and its canonical form, in one place.
 
-Policy names, loss-scale settings, gradient compressions and reduction ops are
+Policy names, loss-scale settings, gradient compressions, sparse-gradient
+strategies and reduction ops are
 read here by every path (Keras 3, the JAX engine, TF1 graphs, tf-keras), so a
 name accepted by one is accepted by all, and every error lists the same
 choices. This module imports nothing from kmp and nothing heavy.
@@ -18,6 +19,7 @@ __all__ = [
     "POLICY_NAMES",
     "PURE_POLICIES",
     "REDUCE_OPS",
+    "SPARSE_GRADIENTS",
     "VALID_POLICIES",
     "compute_dtype_of",
     "normalize_compression",
@@ -118,6 +120,15 @@ def normalize_compression(compression: Any) -> str | None:
         )
     return COMPRESSIONS[key]
 
+
+# --------------------------------------------------------------- sparse gradients
+
+# How a sparse gradient (``tf.IndexedSlices``, from ``Embedding`` or ``gather``) travels
+# between ranks: "dense" scatters it into a dense tensor that is allreduced with the
+# others (in buckets, compressed); "gather" allgathers its rows and their indices, as
+# Horovod's own optimizer does. kmp.distributed.sparse checks the setting and holds
+# the default.
+SPARSE_GRADIENTS: tuple[str, ...] = ("dense", "gather")
 
 # ---------------------------------------------------------------------- reduction
 

@@ -3,7 +3,8 @@
 One training step with a wrapped optimizer, on every rank::
 
     loss -> scale_loss (when scaling) -> gradients -> [accumulate N micro-batches]
-         -> ONE grouped allreduce of the still-scaled gradients (optionally fp16/bf16)
+         -> grouped allreduces of the still-scaled gradients (optionally fp16/bf16),
+            sparse ones (Embedding) densified or allgathered (``sparse_gradients``)
          -> finite check (the same answer on every rank)
          -> unscale and apply, or skip the step and back the scale off (every rank alike)
 
@@ -36,6 +37,7 @@ from kmp import loss_scale as _ls
 from kmp._legacy_keras import is_tf_keras_object
 from kmp._names import LOSS_SCALE_MODES, normalize_compression
 from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from kmp.distributed.sparse import DEFAULT_SPARSE_GRADIENTS, check_sparse_gradients
 from kmp.learning_rate import ScaledLearningRate, scaled_learning_rate
 from kmp.scaling_optimizer import DistributedLossScaleOptimizer
 
@@ -55,6 +57,7 @@ DEFAULTS: dict[str, Any] = {
     "backward_passes_per_step": 1,
     "scale_lr": False,
     "bucket_bytes": DEFAULT_BUCKET_BYTES,
+    "sparse_gradients": DEFAULT_SPARSE_GRADIENTS,
 }
 
 
@@ -100,6 +103,7 @@ def _requested(given: dict[str, Any]) -> tuple[_ls.LossScale, dict[str, Any]]:
     )
     settings["scale_lr"] = _checks.check_bool("scale_lr", settings["scale_lr"])
     settings["bucket_bytes"] = check_bucket_bytes(settings["bucket_bytes"])
+    settings["sparse_gradients"] = check_sparse_gradients(settings["sparse_gradients"])
     knobs = {k: given.get(k, NOT_GIVEN) for k in _ls.KNOBS}  # defaults: the rule's own
     rule = _ls.from_setting(
         settings["loss_scale"],
@@ -136,6 +140,7 @@ def wrap_optimizer(
     backward_passes_per_step: int = NOT_GIVEN,
     scale_lr: bool = NOT_GIVEN,
     bucket_bytes: int | None = NOT_GIVEN,
+    sparse_gradients: str = NOT_GIVEN,
 ) -> keras.optimizers.Optimizer:
     """Return one Keras optimizer that scales the loss and averages gradients over ranks.
 
@@ -175,6 +180,20 @@ def wrap_optimizer(
             layer first, so that communication overlaps the backward pass (default
             :data:`kmp.distributed.buckets.DEFAULT_BUCKET_BYTES`); None: one grouped
             allreduce after all gradients exist.
+        sparse_gradients: How sparse gradients (``tf.IndexedSlices``, from
+            ``Embedding`` and ``gather`` on the TensorFlow backend) travel between
+            ranks. ``"gather"`` (default, the faster one measured in
+            ``docs/performance.md``): every rank's rows and their indices are
+            allgathered (the values compressed too) and the values divided by the
+            number of ranks, as Horovod's ``DistributedOptimizer`` does; the bytes grow
+            with the tokens per batch and the number of ranks. ``"dense"``: they are
+            scattered into tensors of their variable's shape and allreduced with the
+            other gradients (in buckets, compressed); the bytes are the whole
+            embedding's, whatever the batch. Both keep the ranks bit-identical (Adam-like
+            updates differ slightly where rows repeat: Keras's sparse update treats each
+            gathered row on its own, the dense one their sum). With
+            ``backward_passes_per_step > 1`` the accumulated window is dense and
+            travels dense. JAX gradients are dense: the setting changes nothing there.
 
     Returns:
         A :class:`DistributedLossScaleOptimizer` (a Keras ``LossScaleOptimizer``).
@@ -202,6 +221,7 @@ def wrap_optimizer(
             "backward_passes_per_step": backward_passes_per_step,
             "scale_lr": scale_lr,
             "bucket_bytes": bucket_bytes,
+            "sparse_gradients": sparse_gradients,
         }.items()
         if _checks.given(v)
     }
@@ -255,6 +275,7 @@ def wrap_optimizer(
         scale_lr=settings["scale_lr"],
         lr_scale=lr_scale,
         bucket_bytes=settings["bucket_bytes"],
+        sparse_gradients=settings["sparse_gradients"],
     )
 
 

@@ -24,10 +24,15 @@ from keras import ops
 from kmp import distributed
 from kmp import loss_scale as _ls
 from kmp._names import normalize_compression
+from kmp.distributed import sparse
 from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from kmp.learning_rate import rescale_learning_rate
 
 __all__ = ["DistributedLossScaleOptimizer"]
+
+
+def _zero_unless(finite: Any) -> Any:
+    return lambda x: ops.where(finite, x, ops.zeros_like(x))
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -52,6 +57,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale_lr: Whether :func:`kmp.wrap_optimizer` scaled the learning rate.
         lr_scale: The factor it scaled it by (kept for the config).
         bucket_bytes: Bytes per allreduce bucket; None: one grouped allreduce.
+        sparse_gradients: ``"dense"`` or ``"gather"`` (:mod:`kmp.distributed.sparse`).
         name: Optimizer name.
         **knobs: Loss-scale knobs (``initial_scale``, ``growth_interval``, ...) for
             a rule resolved here; not allowed together with a ``LossScale``.
@@ -68,6 +74,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         scale_lr: bool = False,
         lr_scale: float = 1.0,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+        sparse_gradients: str = sparse.DEFAULT_SPARSE_GRADIENTS,
         name: str | None = None,
         **knobs: Any,
     ):
@@ -96,10 +103,9 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.scale_lr = bool(scale_lr)
         self.lr_scale = float(lr_scale)
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
+        self.sparse_gradients = sparse.check_sparse_gradients(sparse_gradients)
         self._payload_bytes = 0
         self._own_index: dict[int, int] = {}
-
-    # ------------------------------------------------------------------ reading
 
     @property
     def loss_scale_arg(self) -> Any:
@@ -158,6 +164,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "backward_passes_per_step": self.backward_passes_per_step,
             "scale_lr": self.scale_lr,
             "bucket_bytes": self.bucket_bytes,
+            "sparse_gradients": self.sparse_gradients,
         }
 
     def rescale_learning_rate(self, factor: float) -> None:
@@ -173,8 +180,6 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return
         rescale_learning_rate(self.inner_optimizer, self.lr_scale, factor)
         self.lr_scale = float(factor)
-
-    # -------------------------------------------------------------------- build
 
     @keras.src.utils.tracking.no_automatic_dependency_tracking
     def build(self, var_list: list) -> None:
@@ -214,11 +219,10 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         )
 
     def load_own_variables(self, store: Any) -> None:
-        """Load saved optimizer state; also state saved before ``overflow_streak`` existed.
+        """Load saved optimizer state; state saved before ``overflow_streak`` existed too.
 
-        Files written by kmp before the hysteresis counter lack that one variable
-        (the fourth of this optimizer's own); it is restored as 0 instead of
-        Keras dropping the whole optimizer state.
+        Such files lack that one variable (the fourth of this optimizer's own): it
+        is restored as 0 instead of Keras dropping the whole optimizer state.
         """
         keys = list(store.keys())
         streak = self._own_index.get(id(getattr(self, "overflow_streak_counter", None)))
@@ -227,8 +231,6 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             values.insert(streak, 0)
             store = {str(i): v for i, v in enumerate(values)}
         super().load_own_variables(store)
-
-    # -------------------------------------------------------------------- scale
 
     def scale_loss(self, loss: Any) -> Any:
         """Multiply ``loss`` by the current loss scale (returned unchanged when not scaling)."""
@@ -243,24 +245,31 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.loss_scale_rule.scaling:
             return grads
         return [
-            g if g is None or self._overwrite_variable_with_gradient(v) else ops.divide(g, scale)
+            g
+            if g is None or self._overwrite_variable_with_gradient(v)
+            else sparse.map_values(g, lambda x: ops.divide(x, scale))
             for g, v in zip(grads, variables, strict=True)
         ]
+
+    def check_finite(self, grads: list) -> Any:
+        """True when every gradient is finite (a sparse one: its values)."""
+        return super().check_finite([sparse.values_of(g) for g in grads])
 
     def _scale_in_use(self, state_scale: Any) -> Any:
         rule = self.loss_scale_rule
         return state_scale if rule.dynamic else rule.initial_scale
 
-    # -------------------------------------------------------------------- apply
-
-    def _allreduce(self, grads: list) -> list:
+    def _allreduce(self, grads: list, variables: list) -> list:
         distributed.check_averaging_runtime(distributed.size())
         if not distributed.gradients_need_allreduce():  # one process, or the JAX distribution
             self._payload_bytes = 0
             return grads
-        self._payload_bytes = distributed.payload_bytes(grads, self.compression)
+        if self.sparse_gradients == "dense":  # in the variables' shapes, known while tracing
+            grads = sparse.densify_like(grads, variables)
+        how = {"compression": self.compression, "sparse_gradients": self.sparse_gradients}
+        self._payload_bytes = distributed.payload_bytes(grads, **how)
         return distributed.grouped_allreduce(
-            grads, op="average", compression=self.compression, bucket_bytes=self.bucket_bytes
+            grads, op="average", bucket_bytes=self.bucket_bytes, **how
         )
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
@@ -292,7 +301,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not grads:
             return
         if self.backward_passes_per_step == 1:
-            self._update(self._allreduce(grads), variables, poisoned=None)
+            self._update(self._allreduce(grads, variables), variables, poisoned=None)
         else:
             self._accumulate(grads, variables)
 
@@ -321,17 +330,20 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         n = self.backward_passes_per_step
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
         finite_here = self.check_finite(grads)
-        # A non-finite micro-batch adds nothing and marks the window as bad.
-        safe = [None if g is None else ops.where(finite_here, g, ops.zeros_like(g)) for g in grads]
+        # A non-finite micro-batch adds nothing and marks the window as bad. A sparse
+        # gradient is scatter-added, so the window is dense (and allreduced dense).
+        safe = [
+            None if g is None else sparse.map_values(g, _zero_unless(finite_here)) for g in grads
+        ]
         bad_here = ops.cast(ops.logical_not(finite_here), self._window_bad.dtype)
 
         def last() -> None:
             total = [
                 None if s is None else ops.divide(ops.add(a, s), float(n))
-                for a, s in zip(accs, safe, strict=True)
+                for a, s in zip(accs, sparse.densify_like(safe, accs), strict=True)
             ]
             bad = ops.maximum(ops.convert_to_tensor(self._window_bad), bad_here)
-            reduced = self._allreduce([*total, ops.cast(bad, "float32")])
+            reduced = self._allreduce([*total, ops.cast(bad, "float32")], [*accs, self._window_bad])
             poisoned = ops.greater(reduced[-1], 0.0)
             for a in self._accumulators:
                 a.assign(ops.zeros(a.shape, a.dtype))
@@ -342,7 +354,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         def not_last() -> None:
             for a, s in zip(accs, safe, strict=True):
                 if s is not None:
-                    a.assign_add(s)
+                    self.assign_add(a, s)  # a tf.IndexedSlices is scatter-added
             self._window_bad.assign(ops.maximum(self._window_bad, bad_here))
             self._micro_step.assign_add(1)
 
@@ -398,20 +410,15 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             new_own[i] = value
         return list(new_t), new_own + list(new_inner)
 
-    # ------------------------------------------------------------------- config
-
     def get_config(self) -> dict:
         """Return the config: the resolved rule is saved, so loading never re-decides it."""
+        settings = {k: v for k, v in self.settings().items() if k not in _ls.KNOBS}
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "rule": self.loss_scale_rule.to_config(),
-            "loss_scale": self.loss_scale_setting,
-            "compression": self.compression,
-            "backward_passes_per_step": self.backward_passes_per_step,
-            "scale_lr": self.scale_lr,
+            **settings,  # the setting itself ("loss_scale"), compression, buckets, ...
             "lr_scale": self.lr_scale,
-            "bucket_bytes": self.bucket_bytes,
         }
 
     @classmethod

@@ -46,6 +46,7 @@ from kmp._legacy_keras import (
 )
 from kmp._names import POLICY_NAMES, normalize_compression
 from kmp.distributed.buckets import check_bucket_bytes
+from kmp.distributed.sparse import DEFAULT_SPARSE_GRADIENTS, check_sparse_gradients
 from kmp.learning_rate import scaled_learning_rate
 
 __all__ = [
@@ -205,6 +206,7 @@ def wrap_optimizer(
     backward_passes_per_step: int = 1,
     scale_lr: bool = False,
     bucket_bytes: int | None = None,
+    sparse_gradients: str = DEFAULT_SPARSE_GRADIENTS,
     keras_module: ModuleType | None = None,
 ) -> Any:
     """Wrap a tf-keras optimizer as ``LossScaleOptimizer(hvd.DistributedOptimizer(opt))``.
@@ -242,6 +244,11 @@ def wrap_optimizer(
             before wrapping; a schedule cannot be scaled here).
         bucket_bytes: Only None: Horovod's Keras layer reduces the gradients itself,
             without kmp's buckets.
+        sparse_gradients: ``"gather"`` (default): Horovod allgathers sparse
+            gradients (``tf.IndexedSlices``, from ``Embedding``), uncompressed (its
+            compression is for dense tensors); ``"dense"``: Horovod's
+            ``sparse_as_dense=True``. With ``backward_passes_per_step > 1`` they are
+            always densified (Horovod accumulates dense tensors only).
         keras_module: ``tf_keras``; None takes the optimizer's own module.
 
     Returns:
@@ -279,6 +286,7 @@ def wrap_optimizer(
     }
     rule = _tf_keras_rule(loss_scale, knobs, km)
     passes = _checks.check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
+    as_dense = check_sparse_gradients(sparse_gradients) == "dense" or passes > 1
     _checks.check_bool("scale_lr", scale_lr)
     if check_bucket_bytes(bucket_bytes) is not None:
         raise ValueError(
@@ -308,6 +316,7 @@ def wrap_optimizer(
             compression=comp,
             backward_passes_per_step=passes,
             average_aggregated_gradients=True,
+            sparse_as_dense=as_dense,
         )
     elif passes > 1:
         raise ValueError(

@@ -17,7 +17,8 @@ expected; their ``.value`` (the ``tf.Variable``) is what Horovod sees.
 
 The package is split by concern: :mod:`kmp.distributed.world` holds the state,
 :func:`init` and the accessors; :mod:`kmp.distributed.collectives` the
-collectives; :mod:`kmp.distributed._horovod` every call into Horovod and
+collectives; :mod:`kmp.distributed.sparse` what the step does with sparse
+gradients; :mod:`kmp.distributed._horovod` every call into Horovod and
 :mod:`kmp.distributed._jax` every call into JAX's runtime. The
 launcher's environment is read by :mod:`kmp._launcher_env`, and the accepted
 reduction and compression names live in :mod:`kmp._names`; everything is
@@ -34,7 +35,7 @@ Example::
 from __future__ import annotations
 
 from kmp._launcher_env import LAUNCH_SIZE_VARS, launched_world_size
-from kmp._names import COMPRESSIONS, REDUCE_OPS, normalize_compression
+from kmp._names import COMPRESSIONS, REDUCE_OPS, SPARSE_GRADIENTS, normalize_compression
 from kmp.distributed.collectives import (
     allgather,
     allreduce,
@@ -71,6 +72,7 @@ __all__ = [
     "ENGINES",
     "LAUNCH_SIZE_VARS",
     "REDUCE_OPS",
+    "SPARSE_GRADIENTS",
     "World",
     "allgather",
     "alone",

@@ -4,7 +4,8 @@
 :mod:`kmp.distributed.collectives` hands it checked, dense TensorFlow tensors;
 nothing here validates user arguments or handles the single-process case.
 Only Horovod's core TensorFlow collectives are used (``allreduce``,
-``grouped_allreduce``, ``allgather``, ``grouped_allgather``, ``broadcast``):
+``grouped_allreduce``, ``allgather``, ``grouped_allgather``, ``broadcast``; sparse
+gradients by :func:`grouped_allgather_slices`):
 Horovod's Keras layer does not work with Keras 3.
 
 Horovod itself is imported only by :func:`start`; the other functions take the
@@ -24,6 +25,7 @@ __all__ = [
     "barrier",
     "broadcast_object",
     "broadcast_variables",
+    "grouped_allgather_slices",
     "grouped_allreduce",
     "local_layout",
     "restart",
@@ -214,4 +216,62 @@ def _bf16_allgather_reduce(hvd: ModuleType, dense: list[Any], op: str, n: int) -
         rest = _grouped_by_dtype(hvd, [dense[i] for i in others], op=_op(hvd, op))
         for i, r in zip(others, rest, strict=True):
             out[i] = r
+    return out
+
+
+def _grouped_allgather(hvd: ModuleType, tensors: list[Any]) -> list[Any]:
+    """One fused Horovod allgather per dtype (a grouped op takes a single dtype)."""
+    by_dtype: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[Any] = [None] * len(tensors)
+    for positions in by_dtype.values():
+        gathered = hvd.grouped_allgather([tensors[i] for i in positions])
+        for i, g in zip(positions, gathered, strict=True):
+            out[i] = g
+    return out
+
+
+def grouped_allgather_slices(
+    hvd: ModuleType, slices: list[Any], op: str, compression: str | None
+) -> list[Any]:
+    """Reduce sparse gradients by gathering them: every rank's rows and indices, in rank order.
+
+    The values travel in ``compression``'s dtype (bfloat16 as int16 bit patterns)
+    and are cast back; for ``"average"`` they are then divided by the number of
+    ranks, as Horovod's ``allreduce`` does for a ``tf.IndexedSlices``.
+
+    Args:
+        hvd: The Horovod module.
+        slices: ``tf.IndexedSlices``, in the same order on every rank.
+        op: ``"average"`` or ``"sum"`` (checked by the caller).
+        compression: A canonical compression (None, ``"fp16"`` or ``"bf16"``).
+
+    Returns:
+        ``tf.IndexedSlices`` holding every rank's rows, with the inputs' dense shapes.
+    """
+    import tensorflow as tf
+
+    def send(v: Any) -> Any:
+        if compression == "fp16" and v.dtype.is_floating:
+            return tf.cast(v, tf.float16)
+        if compression == "bf16" and v.dtype.is_floating:
+            return tf.bitcast(tf.cast(v, tf.bfloat16), tf.int16)
+        return v
+
+    def receive(g: Any, dtype: Any) -> Any:
+        if compression == "bf16" and dtype.is_floating:
+            g = tf.bitcast(g, tf.bfloat16)
+        return g if g.dtype == dtype else tf.cast(g, dtype)
+
+    n = len(slices)
+    gathered = _grouped_allgather(
+        hvd, [send(s.values) for s in slices] + [s.indices for s in slices]
+    )
+    out = []
+    for s, values, indices in zip(slices, gathered[:n], gathered[n:], strict=True):
+        values = receive(values, s.values.dtype)
+        if op == "average":
+            values = values / tf.cast(hvd.size(), values.dtype)
+        out.append(tf.IndexedSlices(values, indices, s.dense_shape))
     return out

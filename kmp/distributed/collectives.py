@@ -18,8 +18,9 @@ from typing import Any
 
 from kmp._checks import check_int
 from kmp._names import normalize_compression, normalize_reduce_op
-from kmp.distributed import _horovod, _jax
+from kmp.distributed import _horovod, _jax, sparse
 from kmp.distributed.buckets import check_bucket_bytes, overlap_warning, plan_buckets
+from kmp.distributed.sparse import DEFAULT_SPARSE_GRADIENTS, check_sparse_gradients
 from kmp.distributed.world import _engine, _ensure, _jax_engine
 
 __all__ = [
@@ -66,41 +67,51 @@ def _check_root(root: Any) -> int:
     )
 
 
-def _dtype_name(t: Any) -> str:
-    dt = t.dtype
+def _dtype_name(dt: Any) -> str:
     name = getattr(dt, "name", None) or str(dt)
     return "float16" if name == "bfloat16" else name  # numpy has no bfloat16; same size
 
 
-def payload_bytes(tensors: Iterable[Any], compression: str | None = None) -> int:
-    """Return how many bytes one rank hands to the collective for ``tensors``.
+def payload_bytes(
+    tensors: Iterable[Any],
+    compression: str | None = None,
+    sparse_gradients: str = DEFAULT_SPARSE_GRADIENTS,
+) -> int:
+    """Return how many bytes one rank hands to the collectives for ``tensors``.
 
     Floating-point tensors count at 2 bytes per element when ``compression`` is
     ``"fp16"`` or ``"bf16"``; everything else at its own item size. ``None``
-    entries count nothing.
+    entries count nothing. A sparse gradient (``tf.IndexedSlices``) counts as
+    ``sparse_gradients`` sends it (:mod:`kmp.distributed.sparse`): its dense shape
+    (``"dense"``), or its values and indices (``"gather"``). A dimension unknown
+    while tracing (a sparse gradient's rows, usually) counts as 0, so the figure
+    is then a lower bound.
 
     Args:
-        tensors: Tensors, arrays or variables (anything with ``shape`` and ``dtype``).
+        tensors: Tensors, arrays, variables or ``tf.IndexedSlices``.
         compression: As accepted by :func:`kmp._names.normalize_compression`.
+        sparse_gradients: ``"dense"`` or ``"gather"``.
 
     Returns:
         The number of bytes.
 
     Raises:
-        TypeError: ``compression`` is neither a name nor None.
-        ValueError: ``compression`` is an unknown name.
+        TypeError: ``compression`` or ``sparse_gradients`` of the wrong type.
+        ValueError: An unknown ``compression`` or ``sparse_gradients``.
     """
     import numpy as np
 
     comp = normalize_compression(compression)
+    strategy = check_sparse_gradients(sparse_gradients)
     total = 0
     for t in tensors:
         if t is None:
             continue
-        dtype = np.dtype(_dtype_name(t))
-        count = int(np.prod([int(d) for d in t.shape])) if len(t.shape) else 1
-        item = 2 if comp and dtype.kind == "f" else dtype.itemsize
-        total += count * item
+        parts = sparse.parts_sent(t, strategy) if sparse.is_sparse(t) else [(t.shape, t.dtype)]
+        for shape, dtype in parts:
+            dtype = np.dtype(_dtype_name(dtype))
+            item = 2 if comp and dtype.kind == "f" else dtype.itemsize
+            total += sparse.count(tuple(shape)) * item
     return total
 
 
@@ -274,13 +285,18 @@ def grouped_allreduce(
     op: str = "average",
     compression: str | None = None,
     bucket_bytes: int | None = None,
+    sparse_gradients: str = DEFAULT_SPARSE_GRADIENTS,
 ) -> list[Any]:
     """Reduce several tensors across all ranks in fused Horovod operations.
 
     ``None`` entries are passed through. Sparse gradients (``tf.IndexedSlices``)
-    are densified first. With ``compression="fp16"`` floating tensors go through
-    Horovod's allreduce in float16 (pre-scaled by ``1/size`` for ``"average"`` so
-    the sum cannot overflow where the mean would not). Horovod has no bfloat16
+    follow ``sparse_gradients`` (:mod:`kmp.distributed.sparse`): ``"dense"``
+    scatters them into dense tensors of their ``dense_shape`` that are reduced
+    with the rest; ``"gather"`` allgathers their rows and indices (compressed
+    too) after the buckets, for ``"average"`` and ``"sum"`` only. With
+    ``compression="fp16"`` floating tensors go through Horovod's allreduce in
+    float16 (pre-scaled by ``1/size`` for ``"average"`` so the sum cannot
+    overflow where the mean would not). Horovod has no bfloat16
     reduction, so ``"bf16"`` sends the bfloat16 bit patterns with one fused
     allgather and sums them locally in float32: half the bytes of float32 for two
     ranks, growing with the number of ranks (prefer ``"fp16"`` beyond a few).
@@ -300,19 +316,30 @@ def grouped_allreduce(
         op: One of :data:`kmp._names.REDUCE_OPS`.
         compression: ``None``, ``"fp16"`` or ``"bf16"``.
         bucket_bytes: Bytes per bucket, or None for a single fused operation.
+        sparse_gradients: ``"dense"`` or ``"gather"``.
 
     Returns:
         A list of reduced tensors (the inputs themselves in a single process).
 
     Raises:
-        TypeError: ``op``, ``compression`` or ``bucket_bytes`` of the wrong type.
-        ValueError: An unknown ``op`` or ``compression``, or ``bucket_bytes`` below 1.
+        TypeError: ``op``, ``compression``, ``bucket_bytes`` or ``sparse_gradients``
+            of the wrong type.
+        ValueError: An unknown ``op``, ``compression`` or ``sparse_gradients``,
+            ``bucket_bytes`` below 1, or gathered sparse gradients with an ``op``
+            other than ``"average"`` or ``"sum"``.
     """
     op = normalize_reduce_op(op)
     comp = normalize_compression(compression)
     bucket_bytes = check_bucket_bytes(bucket_bytes)
+    strategy = check_sparse_gradients(sparse_gradients)
     tensors = list(tensors)
     idx = [i for i, t in enumerate(tensors) if t is not None]
+    gather = [i for i in idx if strategy == "gather" and sparse.is_sparse(tensors[i])]
+    if gather and op not in ("average", "sum"):
+        raise ValueError(
+            f"Sparse gradients (tf.IndexedSlices) can be gathered for op='average' or 'sum', "
+            f"not {op!r}; pass sparse_gradients='dense' to reduce them as dense tensors."
+        )
     if _jax_engine():  # host values, outside the step: no compression or buckets to use
         result = list(tensors)
         for i, r in zip(idx, _jax.grouped_allreduce([tensors[i] for i in idx], op), strict=True):
@@ -323,9 +350,16 @@ def grouped_allreduce(
         return tensors
     import tensorflow as tf
 
-    dense = [tf.convert_to_tensor(_as_tf_variable(tensors[i])) for i in idx]
-    sizes = [payload_bytes([t], comp) for t in dense]
     result = list(tensors)
+    if gather:  # the embeddings come first, so their gradients come last: gather after
+        idx = [i for i in idx if i not in gather]
+    dense = [
+        sparse.densify(tensors[i])
+        if sparse.is_sparse(tensors[i])
+        else tf.convert_to_tensor(_as_tf_variable(tensors[i]))
+        for i in idx
+    ]
+    sizes = [payload_bytes([t], comp) for t in dense]
     plan = plan_buckets(sizes, bucket_bytes)
     message = overlap_warning(len(plan), tf.config.threading.get_inter_op_parallelism_threads())
     if message:
@@ -334,6 +368,10 @@ def grouped_allreduce(
         reduced = _horovod.grouped_allreduce(hvd, [dense[j] for j in bucket], op, comp)
         for j, r in zip(bucket, reduced, strict=True):
             result[idx[j]] = r
+    if gather:
+        slices = _horovod.grouped_allgather_slices(hvd, [tensors[i] for i in gather], op, comp)
+        for i, r in zip(gather, slices, strict=True):
+            result[i] = r
     return result
 
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 from kmp import _checks
 from kmp import loss_scale as _ls
 from kmp._names import normalize_compression
+from kmp.distributed import sparse
 from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from kmp.learning_rate import scaled_learning_rate
 
@@ -58,6 +59,7 @@ class DistributedOptimizer(_v1.train.Optimizer):
         rule: The :class:`kmp.loss_scale.LossScale` to follow.
         compression: None, ``"fp16"`` or ``"bf16"``.
         bucket_bytes: Bytes per allreduce bucket; None: one grouped allreduce.
+        sparse_gradients: ``"dense"`` or ``"gather"`` (:mod:`kmp.distributed.sparse`).
         name: Name of the wrapper.
     """
 
@@ -68,6 +70,7 @@ class DistributedOptimizer(_v1.train.Optimizer):
         *,
         compression: str | None,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+        sparse_gradients: str = sparse.DEFAULT_SPARSE_GRADIENTS,
         name: str | None = None,
     ) -> None:
         super().__init__(
@@ -76,6 +79,7 @@ class DistributedOptimizer(_v1.train.Optimizer):
         self._optimizer = optimizer
         self._compression = compression
         self._bucket_bytes = check_bucket_bytes(bucket_bytes)
+        self._sparse_gradients = sparse.check_sparse_gradients(sparse_gradients)
         self._rule = rule
         self._state_vars: dict[Any, _ls.ScaleState] = {}  # graph -> the rule's variables
         self._track_trackable(optimizer, "base_optimizer")
@@ -160,8 +164,14 @@ class DistributedOptimizer(_v1.train.Optimizer):
         grads_and_vars = self._optimizer.compute_gradients(loss, var_list=var_list, **kwargs)
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
+        if self._sparse_gradients == "dense" and distributed.gradients_need_allreduce():
+            grads = sparse.densify_like(grads, variables)
         averaged = distributed.grouped_allreduce(
-            grads, op="average", compression=self._compression, bucket_bytes=self._bucket_bytes
+            grads,
+            op="average",
+            compression=self._compression,
+            bucket_bytes=self._bucket_bytes,
+            sparse_gradients=self._sparse_gradients,
         )
         if scaling:
             inverse = 1.0 / scale
@@ -287,6 +297,7 @@ def distributed_optimizer(
     max_scale: float = NOT_GIVEN,
     hysteresis: int = NOT_GIVEN,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    sparse_gradients: str = sparse.DEFAULT_SPARSE_GRADIENTS,
     name: str | None = None,
 ) -> DistributedOptimizer:
     """Wrap a ``tf.compat.v1.train`` optimizer with Horovod averaging and loss scaling.
@@ -322,6 +333,10 @@ def distributed_optimizer(
             variable first, so that they travel while the rest are computed (default
             :data:`kmp.distributed.buckets.DEFAULT_BUCKET_BYTES`); None: one grouped
             allreduce.
+        sparse_gradients: How sparse gradients (``tf.IndexedSlices``, from
+            ``tf.gather`` on a variable) travel: ``"gather"`` (default) allgathers
+            their rows and indices, ``"dense"`` scatters them into their variable's
+            shape and allreduces them; as in :func:`kmp.wrap_optimizer`.
         name: Name of the wrapper (default ``"Distributed" + optimizer name``).
 
     Returns:
@@ -331,8 +346,8 @@ def distributed_optimizer(
     Raises:
         TypeError: ``tf1_optimizer`` is not a ``tf.compat.v1.train`` optimizer, or
             an argument has the wrong type.
-        ValueError: An already wrapped optimizer, a bad ``loss_scale``, knob or
-            ``compression``.
+        ValueError: An already wrapped optimizer, a bad ``loss_scale``, knob,
+            ``compression`` or ``sparse_gradients``.
     """
     _check_tf1_optimizer(tf1_optimizer)
     rule = _ls.from_setting(
@@ -348,13 +363,19 @@ def distributed_optimizer(
     )
     comp = normalize_compression(compression)
     bucket_bytes = check_bucket_bytes(bucket_bytes)
+    sparse_gradients = sparse.check_sparse_gradients(sparse_gradients)
     _checks.check_bool("scale_lr", scale_lr)
     if scale_lr:
         from kmp import distributed
 
         _scale_learning_rate(tf1_optimizer, distributed.size())
     return DistributedOptimizer(
-        tf1_optimizer, rule, compression=comp, bucket_bytes=bucket_bytes, name=name
+        tf1_optimizer,
+        rule,
+        compression=comp,
+        bucket_bytes=bucket_bytes,
+        sparse_gradients=sparse_gradients,
+        name=name,
     )
 
 
