@@ -142,6 +142,9 @@ class Float32Outputs:
         model = keras.saving.deserialize_keras_object(
             config["model"], custom_objects=custom_objects
         )
+        # The head's reverse_dtype is not in every model's config (KerasHub backbones
+        # build their ReversibleEmbedding themselves): decide it again, as it was decided.
+        _compute_heads_in_low_precision(model)
         _move_to_float32_class(model)
         return model
 
@@ -196,12 +199,17 @@ def upcasting_reverse_head(layer: Any) -> bool:
     )
 
 
+def _compute_heads_in_low_precision(model: keras.Model) -> None:
+    """Run each upcasting reverse head's matmul in its compute dtype (call() casts the logits)."""
+    for layer in model._flatten_layers(include_self=False):
+        if upcasting_reverse_head(layer):
+            layer.reverse_dtype = layer.compute_dtype
+
+
 def _float32_outputs_in_place(model: keras.Model) -> keras.Model:
     if isinstance(model, Float32Outputs) or not _computes_in_low_precision(model):
         return model
-    for layer in model._flatten_layers(include_self=False):
-        if upcasting_reverse_head(layer):  # the matmul in 16 bits; call() casts the logits
-            layer.reverse_dtype = layer.compute_dtype
+    _compute_heads_in_low_precision(model)
     _move_to_float32_class(model)
     return model
 

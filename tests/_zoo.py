@@ -70,13 +70,13 @@ def bert_text_classifier():
     return keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=3, preprocessor=None)
 
 
-def bert_batch(rng: np.random.Generator) -> tuple[dict, np.ndarray]:
+def bert_batch(rng: np.random.Generator, batch: int = BATCH) -> tuple[dict, np.ndarray]:
     x = {
-        "token_ids": _tokens(rng),
-        "segment_ids": np.zeros((BATCH, SEQ), "int32"),
-        "padding_mask": np.ones((BATCH, SEQ), "int32"),
+        "token_ids": _tokens(rng, batch),
+        "segment_ids": np.zeros((batch, SEQ), "int32"),
+        "padding_mask": np.ones((batch, SEQ), "int32"),
     }
-    return x, rng.integers(0, 3, size=(BATCH,)).astype("int32")
+    return x, rng.integers(0, 3, size=(batch,)).astype("int32")
 
 
 def resnet_image_classifier():
@@ -94,9 +94,9 @@ def resnet_image_classifier():
     return keras_hub.models.ResNetImageClassifier(backbone=backbone, num_classes=10)
 
 
-def image_batch(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    x = rng.uniform(0, 255, size=(BATCH, 32, 32, 3)).astype("float32")
-    return x, rng.integers(0, 10, size=(BATCH,)).astype("int32")
+def image_batch(rng: np.random.Generator, batch: int = BATCH) -> tuple[np.ndarray, np.ndarray]:
+    x = rng.uniform(0, 255, size=(batch, 32, 32, 3)).astype("float32")
+    return x, rng.integers(0, 10, size=(batch,)).astype("int32")
 
 
 def application(name: str) -> Callable[[], keras.Model]:
