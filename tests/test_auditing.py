@@ -463,18 +463,17 @@ def _hub():
     return pytest.importorskip("keras_hub", reason="KerasHub models need keras-hub installed")
 
 
+def _zoo():
+    """The tiny KerasHub builders shared with the zoo tests (tests/_zoo.py)."""
+    _hub()
+    import _zoo
+
+    return _zoo
+
+
 def test_keras_hub_gpt2_causal_lm():
-    hub = _hub()
     kmp.enable("mixed_float16", hardware=GPU_HW)
-    backbone = hub.models.GPT2Backbone(
-        vocabulary_size=256,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        max_sequence_length=16,
-    )
-    model = hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    model = _zoo().gpt2_causal_lm()
     report = kmp.audit(model)
     names = {r.name for r in report.rows}
     attention = "gpt2_backbone/transformer_layer_0/self_attention"
@@ -498,18 +497,8 @@ def test_keras_hub_gpt2_causal_lm():
 
 
 def test_keras_hub_gemma_rms_norm_is_measured_not_flagged():
-    hub = _hub()
     kmp.enable("mixed_float16", hardware=GPU_HW)
-    backbone = hub.models.GemmaBackbone(
-        vocabulary_size=256,
-        num_layers=1,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=32,
-        intermediate_dim=64,
-        head_dim=16,
-    )
-    model = hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    model = _zoo().gemma_causal_lm()
     report = kmp.audit(model)
     norms = [r.name for r in report.rows if r.class_name == "RMSNormalization"]
     assert len(norms) >= 3  # the final norm and the two inside the decoder block
@@ -521,17 +510,8 @@ def test_keras_hub_gemma_rms_norm_is_measured_not_flagged():
 
 
 def test_keras_hub_bert_text_classifier():
-    hub = _hub()
     kmp.enable("mixed_bfloat16", hardware=GPU_HW)
-    backbone = hub.models.BertBackbone(
-        vocabulary_size=256,
-        num_layers=1,
-        num_heads=2,
-        hidden_dim=32,
-        intermediate_dim=64,
-        max_sequence_length=16,
-    )
-    model = hub.models.BertTextClassifier(backbone=backbone, num_classes=2, preprocessor=None)
+    model = _zoo().bert_text_classifier()
     report = kmp.audit(model)
     assert any(r.name.endswith("/self_attention_layer") for r in report.rows)
     attention = [f for f in report.findings if f.code == "low-precision-attention"]

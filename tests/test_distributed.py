@@ -182,6 +182,8 @@ def test_collectives_on_two_real_ranks():
         assert res["product"] == [2.0, 200.0]
         assert res["grouped"] == [[1.0, 1.0, 1.0], None, [3], [[1.0], [2.0]]]
         assert res["grouped_dtypes"] == ["float32", None, "int32", "float32"]
+        assert res["grouped_sparse_kind"] == "IndexedSlices"  # rows gathered, not densified
+        assert res["grouped_dense"] == ["EagerTensor", [[1.0], [2.0]]]
         for comp in ("fp16", "bf16"):
             assert res[f"avg_{comp}"] == [1.0, -3.0, 3.0]
             assert res[f"avg_{comp}_dtype"] == "float32"

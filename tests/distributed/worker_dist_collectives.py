@@ -23,13 +23,18 @@ def main() -> None:
     x = tf.constant([1.0 + r, 10.0 * (r + 1)])
     for op in ("average", "sum", "min", "max", "product"):
         out[op] = dist.allreduce(x, op=op).numpy().tolist()
-    # Grouped, mixed dtypes, a None passed through, sparse densified.
+    # Grouped, mixed dtypes, a None passed through, sparse gathered (the default) or densified.
     sparse = tf.IndexedSlices(tf.constant([[1.0 * (r + 1)]]), tf.constant([r]), tf.constant([2, 1]))
     grouped = dist.grouped_allreduce(
         [tf.fill([3], float(r)), None, tf.constant([r + 1], tf.int32), sparse], op="sum"
     )
-    out["grouped"] = [None if g is None else np.asarray(g).tolist() for g in grouped]
+    out["grouped"] = [
+        None if g is None else np.asarray(tf.convert_to_tensor(g)).tolist() for g in grouped
+    ]
     out["grouped_dtypes"] = [None if g is None else g.dtype.name for g in grouped]
+    out["grouped_sparse_kind"] = type(grouped[3]).__name__
+    (dense,) = dist.grouped_allreduce([sparse], op="sum", sparse_gradients="dense")
+    out["grouped_dense"] = [type(dense).__name__, np.asarray(dense).tolist()]
     # Compression: values exactly representable in 8 mantissa bits survive both paths.
     y = tf.constant([0.5 + r, -2.0 * (r + 1), 3.0], tf.float32)
     for comp in ("fp16", "bf16"):
