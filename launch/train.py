@@ -17,16 +17,20 @@ What it does, using what kmp offers:
    loaded from it (weights, optimizer state, loss scale) and training goes on at
    the epoch after it. Ranks that cannot read the file build a fresh model and
    receive rank 0's state from the broadcast callback.
-3. Otherwise the model is built (digits CNN or ``keras.applications.ResNet50``),
-   ``kmp.float32_outputs`` keeps its softmax in float32, ``kmp.audit`` is
-   printed by rank 0, and the optimizer is ``kmp.wrap_optimizer(...)``.
+3. Otherwise the model is built (digits CNN, ``keras.applications.ResNet50``, or
+   one of the workloads of ``launch/workloads.py``: the byte-level ``gpt``, KerasHub's
+   ``gpt2-hub``, the MNIST-1D paper's ``mnist1d_cnn``), ``kmp.float32_outputs``
+   keeps its outputs in float32, ``kmp.audit`` is printed by rank 0, and the
+   optimizer is ``kmp.wrap_optimizer(...)``.
 4. Input: ``kmp.data.load`` gives each rank its shard of the TFDS split,
-   reshuffled per epoch, cast to the compute dtype on the host.
+   reshuffled per epoch, cast to the compute dtype on the host; the in-memory
+   ``kmp_pytext`` and ``mnist1d`` come the same way from ``kmp.datasets.memory``.
 5. ``model.fit`` with ``kmp.callbacks.default_callbacks``: broadcast from rank
    0, metric averaging, loss-scale monitor, LR warm-up, and atomic chief-only
    checkpoints every epoch.
 6. The test accuracy over the whole test split (each rank evaluates its shard,
-   counts are summed), a check that every rank ends with identical trainable
+   counts are summed; for the language models the validation loss in nats per byte
+   and bits per byte, and tokens/s), a check that every rank ends with identical trainable
    weights (BatchNormalization's moving statistics stay per rank),
    and the training throughput; ``--summary FILE`` writes them as JSON (rank 0).
 """
@@ -34,6 +38,7 @@ What it does, using what kmp offers:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -44,10 +49,34 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-MODELS = ("digits_cnn", "resnet50")
-DEFAULT_DATASET = {"digits_cnn": "kmp_digits", "resnet50": "kmp_synthetic_images"}
-DEFAULT_BATCH = {"digits_cnn": 32, "resnet50": 8}
-DEFAULT_LR = {"digits_cnn": 4e-3, "resnet50": 0.01}
+
+def _load_workloads():
+    """Import ``launch/workloads.py`` beside this file (also when bench/ imports this one)."""
+    path = Path(__file__).resolve().parent / "workloads.py"
+    spec = importlib.util.spec_from_file_location("kmp_launch_workloads", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+workloads = _load_workloads()
+MODELS = ("digits_cnn", "resnet50", *workloads.MODELS)
+DEFAULT_DATASET = {
+    "digits_cnn": "kmp_digits",
+    "resnet50": "kmp_synthetic_images",
+    "gpt": "kmp_pytext",
+    "gpt2-hub": "kmp_pytext",
+    "mnist1d_cnn": "mnist1d",
+}
+# Per rank. mnist1d_cnn: 50 per rank is the paper's batch of 100 on 2 ranks.
+DEFAULT_BATCH = {"digits_cnn": 32, "resnet50": 8, "gpt": 16, "gpt2-hub": 16, "mnist1d_cnn": 50}
+DEFAULT_LR = {"digits_cnn": 4e-3, "resnet50": 0.01, "gpt": 3e-3, "gpt2-hub": 3e-3}
+DEFAULT_LR["mnist1d_cnn"] = 1e-2  # the paper's Adam rate
+CONSTANT_LR = ("resnet50", "mnist1d_cnn")  # the others decay (cosine) by default
+# Defaults sized for a run of about a minute on 2 CPU ranks (the paper's 8,000 steps of 100
+# for mnist1d_cnn: 200 epochs of 4,000); any other model: 10 epochs of every full batch.
+DEFAULT_EPOCHS = {"gpt": 4, "gpt2-hub": 4, "mnist1d_cnn": 200}
+DEFAULT_STEPS = {"gpt": 50, "gpt2-hub": 50}
 # Above this many parameters the weight check compares checksums, not full weights.
 FULL_WEIGHT_CHECK_MAX_PARAMS = 2_000_000
 
@@ -61,7 +90,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dataset",
         help="TFDS image-classification data set (default: kmp_digits for digits_cnn, "
-        "the SYNTHETIC kmp_synthetic_images for resnet50)",
+        "the SYNTHETIC kmp_synthetic_images for resnet50), or an in-memory one: kmp_pytext "
+        "(bytes, for gpt and gpt2-hub), mnist1d (for mnist1d_cnn)",
+    )
+    p.add_argument(
+        "--text-dir",
+        help="kmp_pytext: train on the text files of this folder (default: the Python "
+        "standard library's sources, capped at 1 MiB)",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=workloads.GPT_CONFIG["seq_len"],
+        help="kmp_pytext: bytes per sequence",
     )
     p.add_argument("--data-dir", help="TFDS data directory (default: $KMP_DATA_DIR or kmp cache)")
     p.add_argument(
@@ -70,14 +111,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="auto, mixed_float16, mixed_bfloat16 or float32 (KMP_POLICY overrides)",
     )
     p.add_argument("--batch-size", type=int, help="examples per batch on each rank")
-    p.add_argument("--epochs", type=int, default=10, help="total epochs (a resumed run included)")
-    p.add_argument("--steps-per-epoch", type=int, help="batches per epoch (default: all)")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        help="total epochs, a resumed run included (default: 10; 4 for gpt, 200 for mnist1d_cnn)",
+    )
+    p.add_argument(
+        "--steps-per-epoch", type=int, help="batches per epoch (default: all; 50 for gpt)"
+    )
     p.add_argument("--lr", type=float, help="learning rate before --scale-lr")
     p.add_argument(
         "--lr-schedule",
         choices=("cosine", "constant"),
-        help="cosine decay to 0 over the run, or constant (default: cosine for digits_cnn, "
-        "constant for resnet50)",
+        help="cosine decay to 0 over the run, or constant (default: constant for resnet50 "
+        "and mnist1d_cnn, cosine for the others)",
     )
     p.add_argument("--compression", choices=("none", "fp16", "bf16"), default="none")
     p.add_argument(
@@ -161,7 +208,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.lr is None:
         args.lr = DEFAULT_LR[args.model]
     if args.lr_schedule is None:
-        args.lr_schedule = "cosine" if args.model == "digits_cnn" else "constant"
+        args.lr_schedule = "constant" if args.model in CONSTANT_LR else "cosine"
+    if args.epochs is None:
+        args.epochs = DEFAULT_EPOCHS.get(args.model, 10)
+    if args.steps_per_epoch is None:
+        args.steps_per_epoch = DEFAULT_STEPS.get(args.model)
+    check_workload(p, args)
     if not args.lr > 0:
         p.error("--lr must be > 0")
     if args.image_size is None and args.model == "resnet50":
@@ -193,6 +245,62 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def check_workload(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse the flag combinations the language models and in-memory data sets cannot run."""
+    lm, text = args.model in workloads.LM_MODELS, args.dataset == "kmp_pytext"
+    if lm != text:
+        p.error(
+            f"--model {args.model} and --dataset {args.dataset} do not fit: the language "
+            "models (gpt, gpt2-hub) train on --dataset kmp_pytext, and only on it"
+        )
+    if args.text_dir is not None and not text:
+        p.error("--text-dir is for --dataset kmp_pytext (a language model)")
+    if args.seq_len < 1:
+        p.error("--seq-len must be >= 1")
+    if args.elastic and args.dataset in in_memory_names():
+        p.error(f"--elastic reads TFDS data sets; {args.dataset} lives in memory: drop --elastic")
+    if lm and args.inject_overflow is not None:
+        p.error("--inject-overflow poisons float inputs; a language model's inputs are bytes")
+
+
+def memory_datasets():
+    """``kmp.datasets.memory``: the in-memory data sets (``kmp_pytext``, ``mnist1d``)."""
+    from kmp.datasets import memory
+
+    return memory
+
+
+def in_memory_names() -> tuple[str, ...]:
+    return tuple(memory_datasets().NAMES)
+
+
+def data_options(args) -> dict:
+    """The in-memory data set's own options (none for a TFDS data set)."""
+    if args.dataset == "kmp_pytext":
+        return {"seq_len": args.seq_len, "text_dir": args.text_dir}
+    return {}
+
+
+def data_spec(args, kmp):
+    """The ``kmp.data.ShardSpec`` of the train split, TFDS or in memory."""
+    if args.dataset in in_memory_names():
+        return memory_datasets().shard_spec(
+            args.dataset, "train", batch_size=args.batch_size, **data_options(args)
+        )
+    return kmp.data.shard_spec(
+        args.dataset, "train", batch_size=args.batch_size, data_dir=args.data_dir
+    )
+
+
+def load_split(args, kmp, split: str, **kwargs):
+    """This rank's part of ``split``: ``kmp.data.load`` or ``memory_datasets().load``."""
+    if args.dataset in in_memory_names():
+        kwargs.pop("image_size", None)
+        ds = memory_datasets().load(args.dataset, split, **kwargs, **data_options(args))
+        return workloads.model_inputs(args.model, ds)
+    return kmp.data.load(args.dataset, split, data_dir=args.data_dir, **kwargs)
+
+
 # ----------------------------------------------------------------------- models
 
 
@@ -200,6 +308,8 @@ def build_model(name: str, input_shape: tuple, num_classes: int, input_dtype: st
     """Return the (uncompiled) model; its input takes the dtype the data arrives in."""
     import keras
 
+    if name in workloads.MODELS:
+        return workloads.build(name, input_shape, num_classes, input_dtype)
     inputs = keras.Input(shape=input_shape, dtype=input_dtype, name="images")
     if name == "digits_cnn":
         x = keras.layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
@@ -295,17 +405,43 @@ def weights_max_diff(variables, kmp) -> float:
     return 0.0 if (gathered == gathered[0]).all() else math.inf
 
 
+def evaluate(model, args, kmp) -> dict:
+    """The test accuracy, or a language model's validation loss (nats and bits per byte)."""
+    if args.model in workloads.LM_MODELS:
+        ds = (
+            memory_datasets()
+            .load(args.dataset, "validation", batch_size=None, shuffle=False, **data_options(args))
+            .batch(64)
+        )
+        return workloads.lm_metrics(model, args.model, ds, kmp)
+    return {"test_accuracy": test_accuracy(model, args, kmp)}
+
+
+def result_line(metrics: dict, summary: dict) -> str:
+    """Rank 0's closing line: the quality figure, the weight check and the throughput."""
+    if "val_loss_nats" in metrics:
+        quality = (
+            f"validation loss {metrics['val_loss_nats']:.4f} nats/byte "
+            f"({metrics['val_bits_per_byte']:.4f} bits/byte)"
+        )
+    else:
+        quality = f"test accuracy {metrics['test_accuracy']:.4f}"
+    diff = summary["weights_max_diff"]
+    rate = summary["images_per_sec"]
+    if rate is not None and summary["tokens_per_sec"] is not None:
+        speed = f"{summary['tokens_per_sec']:.0f} tokens/s"
+    else:
+        speed = "no training" if rate is None else f"{rate:.0f} images/s"
+    same = "identical" if diff == 0 else f"DIFFER (max {diff:g})"
+    return f"{quality} | ranks' weights {same} | {speed}"
+
+
 def test_accuracy(model, args, kmp) -> float:
     """Accuracy over the whole test split: each rank scores its shard, counts are summed."""
     import numpy as np
 
-    ds = kmp.data.load(
-        args.dataset,
-        "test",
-        batch_size=None,
-        data_dir=args.data_dir,
-        shuffle=False,
-        image_size=args.image_size,
+    ds = load_split(
+        args, kmp, "test", batch_size=None, shuffle=False, image_size=args.image_size
     ).batch(256)
     correct = total = 0
     for images, labels in ds:
@@ -438,9 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"policy {choice.name} ({choice.reason})"
     )
 
-    spec = kmp.data.shard_spec(
-        args.dataset, "train", batch_size=args.batch_size, data_dir=args.data_dir
-    )
+    spec = data_spec(args, kmp)
     steps = args.steps_per_epoch or spec.steps_per_epoch
     if steps > spec.steps_per_epoch:
         raise SystemExit(
@@ -469,9 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = kmp.float32_outputs(model)
         model.compile(
             optimizer=make_optimizer(args, kmp, steps, world.size),
-            loss="sparse_categorical_crossentropy",
-            # Elastic batches may end in empty slots of weight 0: weighted metrics skip them.
-            **{"weighted_metrics" if args.elastic else "metrics": ["accuracy"]},
+            **workloads.compile_args(args.model, args.elastic),
             jit_compile=False,
         )
         if path:
@@ -535,11 +667,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "num_examples": data.num_examples,
         }
     elif epochs_left:
-        train = kmp.data.load(
-            args.dataset,
+        train = load_split(
+            args,
+            kmp,
             "train",
             batch_size=args.batch_size,
-            data_dir=args.data_dir,
             seed=args.seed,
             epoch=initial_epoch,
             epochs=epochs_left,
@@ -563,7 +695,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         log(f"nothing to train: {initial_epoch} of {args.epochs} epochs already done")
 
-    accuracy = test_accuracy(model, args, kmp)
+    metrics = evaluate(model, args, kmp)
     # Trainable weights must be bit-identical on every rank. Non-trainable state such as
     # BatchNormalization's moving statistics follows each rank's own batches (Horovod does
     # not average it), so it is reported apart.
@@ -594,7 +726,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "skipped_at": skips.steps,  # steps of this run (0-based) the optimizer skipped
         "history": history,
         "final_loss": history["loss"][-1] if history.get("loss") else None,
-        "test_accuracy": accuracy,
+        "test_accuracy": metrics.get("test_accuracy"),
+        **metrics,
         "weights_max_diff": max_diff,
         "non_trainable_max_diff": stats_diff,
         "bucket_bytes": model.optimizer.bucket_bytes,
@@ -605,6 +738,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             else None
         ),
         "images_per_sec": sum(measured) / len(measured) if measured else None,
+        # Language models: bytes predicted per second, over all ranks (sequences x seq_len).
+        "tokens_per_sec": (
+            sum(measured) / len(measured) * spec.image_shape[0]
+            if measured and args.model in workloads.LM_MODELS
+            else None
+        ),
         # Where this rank ran, and what it wrote (a per-rank --summary shows every rank's).
         "rank": world.rank,
         "hostname": socket.gethostname(),
@@ -615,11 +754,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "checkpoints_written": checkpoints_written,
         "elastic": elastic,
     }
-    log(
-        f"test accuracy {accuracy:.4f} | ranks' weights "
-        f"{'identical' if max_diff == 0 else f'DIFFER (max {max_diff:g})'} | "
-        + (f"{summary['images_per_sec']:.0f} images/s" if measured else "no training")
-    )
+    log(result_line(metrics, summary))
     per_rank = args.summary and "{rank}" in args.summary
     if args.summary and (per_rank or world.rank == 0):
         out = Path(args.summary.replace("{rank}", str(world.rank)))

@@ -1,4 +1,4 @@
-"""launch/train.py and launch/demo.py: resume, ResNet-50 on 2 ranks, the demo's target."""
+"""launch/train.py and launch/demo.py: resume, ResNet-50, GPT and MNIST-1D on 2 ranks, the demo."""
 
 from __future__ import annotations
 
@@ -60,6 +60,11 @@ def test_bad_flags_are_clear_errors(data_dir):
         (["--batch-size", "0"], "--batch-size must be >= 1"),
         (["--steps-per-epoch", "0"], "--steps-per-epoch must be >= 1"),
         (["--bucket-bytes", "0"], "--bucket-bytes must be >= 1"),
+        (["--model", "gpt", "--dataset", "kmp_digits"], "do not fit"),
+        (["--model", "digits_cnn", "--dataset", "kmp_pytext"], "do not fit"),
+        (["--model", "mnist1d_cnn", "--text-dir", "."], "--text-dir is for"),
+        (["--model", "mnist1d_cnn", "--elastic"], "mnist1d lives in memory"),
+        (["--model", "gpt", "--seq-len", "0"], "--seq-len must be >= 1"),
     ]:
         proc = subprocess.run(
             [sys.executable, str(TRAIN), *args],
@@ -173,3 +178,46 @@ def test_demo_reaches_its_accuracy_target_on_the_jax_engine(data_dir, tmp_path):
     assert run["engine"] == "jax" and run["ranks"] == 2
     assert run["test_accuracy"] >= 0.95
     assert run["weights_max_diff"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_horovod
+def test_gpt_two_ranks_reports_nats_bits_per_byte_and_tokens_per_sec(tmp_path):
+    from kmp.datasets import text
+
+    summary = tmp_path / "gpt.json"
+    proc = _train(
+        tmp_path,
+        "--model", "gpt", "--policy", "mixed_bfloat16", "--seq-len", "32", "--batch-size", "8",
+        "--epochs", "2", "--steps-per-epoch", "5", "--summary", str(summary),
+        np=2,
+    )  # fmt: skip
+    s = json.loads(summary.read_text())
+    assert s["dataset"] == "kmp_pytext" and s["ranks"] == 2 and s["iterations_end"] == 10
+    assert s["test_accuracy"] is None
+    # The whole validation split (the corpus's last 10 %, in windows of 32), all ranks.
+    val = text.split_bytes(text.read_corpus().data, "validation")
+    assert s["val_bytes"] == (len(val) - 1) // 32 * 32
+    assert 0 < s["val_loss_nats"] < math.log(256)  # better than a uniform guess over bytes
+    assert s["val_bits_per_byte"] == pytest.approx(s["val_loss_nats"] / math.log(2))
+    assert s["tokens_per_sec"] == pytest.approx(s["images_per_sec"] * 32) and s["tokens_per_sec"]
+    assert s["weights_max_diff"] == 0.0
+    assert "nats/byte" in proc.stdout and "tokens/s" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_horovod
+def test_mnist1d_cnn_two_ranks_learns(tmp_path):
+    pytest.importorskip("mnist1d")
+    summary = tmp_path / "mnist1d.json"
+    _train(
+        tmp_path, "--model", "mnist1d_cnn", "--policy", "float32", "--epochs", "2",
+        "--summary", str(summary), np=2,
+    )  # fmt: skip
+    s = json.loads(summary.read_text())
+    assert s["dataset"] == "mnist1d" and s["batch_size_per_rank"] == 50
+    assert s["iterations_end"] == 2 * 40  # 4,000 signals / 2 ranks / 50
+    assert s["test_accuracy"] > 0.3  # chance is 0.1
+    assert s["weights_max_diff"] == 0.0
