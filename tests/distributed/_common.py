@@ -13,3 +13,15 @@ def write_result(rank: int, payload: dict) -> None:
     tmp = out / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(payload))
     tmp.replace(out / f"rank{rank}.json")
+
+
+def rank_spread(weights: list) -> float:
+    """Max |rank0 - rank1| over all ``weights`` (arrays), through one real allgather."""
+    import numpy as np
+    import tensorflow as tf
+
+    import kmp.distributed as dist
+
+    flat = np.concatenate([np.ravel(np.asarray(w, "float64")) for w in weights])
+    g = dist.allgather(tf.constant(flat)[None]).numpy()
+    return float(np.max(np.abs(g[0] - g[1])))

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _common import write_result
+from _common import rank_spread, write_result
 
 import kmp.distributed as dist
 
@@ -24,18 +24,9 @@ RANK = WORLD.rank
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for _zoo
 
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from _zoo import gpt2_causal_lm, lm_batch  # noqa: E402
 
 import kmp  # noqa: E402
-
-
-def rank_spread(weights: list) -> float:
-    spread = 0.0
-    for w in weights:
-        g = dist.allgather(tf.convert_to_tensor(np.asarray(w, "float32"))[None]).numpy()
-        spread = max(spread, float(np.max(np.abs(g[0] - g[1]))))
-    return spread
 
 
 def train(policy: str) -> dict:

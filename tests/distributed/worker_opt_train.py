@@ -23,7 +23,7 @@ import os
 import sys
 
 import numpy as np
-from _common import write_result
+from _common import rank_spread, write_result
 
 import kmp.distributed as dist
 
@@ -62,15 +62,6 @@ def build_model(policy: str, seed: int) -> keras.Model:
 def same_start(model: keras.Model) -> None:
     """Every rank starts from rank 0's weights."""
     dist.broadcast_variables(model.variables, root=0)
-
-
-def rank_spread(weights: list) -> float:
-    """Max |rank0 - rank1| over all weights, through a real allgather."""
-    spread = 0.0
-    for w in weights:
-        g = dist.allgather(tf.convert_to_tensor(np.asarray(w, "float32"))[None]).numpy()
-        spread = max(spread, float(np.max(np.abs(g[0] - g[1]))))
-    return spread
 
 
 def compile_fit(model, opt, x, y, *, epochs, batch, callbacks=None, **kw):

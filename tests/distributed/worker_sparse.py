@@ -21,7 +21,7 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-from _common import write_result
+from _common import rank_spread, write_result
 
 import kmp.distributed as dist
 
@@ -74,13 +74,6 @@ def make_data(seed: int, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def rank_spread(weights: list) -> float:
-    """Max |rank0 - rank1| over all weights, through a real allgather."""
-    flat = np.concatenate([np.ravel(np.asarray(w, "float64")) for w in weights])
-    g = dist.allgather(tf.constant(flat)[None]).numpy()
-    return float(np.max(np.abs(g[0] - g[1])))
 
 
 def max_diff(a: list, b: list) -> float:
