@@ -61,9 +61,10 @@ print()
 print("this machine:", kmp.hardware.detect())
 
 # %% [markdown]
-# On the machine that ran this notebook (a CPU without AVX512_BF16 or AMX and no GPU), "auto"
-# picks **float32**: without bfloat16 instructions the CPU emulates 16-bit arithmetic, and
-# without float16 hardware at all float16 is slower still. That is the right answer here, not
+# The machine that last ran this notebook is a CPU with AVX512_BF16 and no GPU, so "auto"
+# picked **mixed_bfloat16** (the output above says why). On a CPU without AVX512_BF16 or AMX
+# it picks **float32**: without bfloat16 instructions the CPU emulates 16-bit arithmetic, and
+# without float16 hardware at all float16 is slower still. That is the right answer there, not
 # a fallback.
 #
 # The rule itself is a pure function of the hardware, so we can ask what it would pick on
@@ -80,7 +81,8 @@ machines = {
     "NVIDIA T4 (7.5)": Hardware(gpus=(GPU("Tesla T4", (7, 5)),)),
     "NVIDIA K80 (3.7)": Hardware(gpus=(GPU("Tesla K80", (3, 7)),)),
     "CPU with AVX512_BF16": Hardware(cpu=CPU("Xeon", 32, avx512_bf16=True)),
-    "CPU without bf16 (this one)": kmp.hardware.detect(),
+    "CPU without bf16": Hardware(cpu=CPU("Xeon", 32)),
+    "this machine": kmp.hardware.detect(),
 }
 for label, hw in machines.items():
     name, reason = choose_policy(hw)
@@ -109,7 +111,7 @@ print(spec)
 sample = kmp.data.load("kmp_digits", "test", batch_size=None, shuffle=False).take(20)
 fig, axes = plt.subplots(2, 10, figsize=(10, 2.6))
 for ax, (image, label) in zip(axes.flat, sample, strict=True):
-    ax.imshow(image.numpy()[..., 0], cmap="gray_r")
+    ax.imshow(image.numpy().astype("float32")[..., 0], cmap="gray_r")  # bfloat16 under auto
     ax.set_title(int(label), fontsize=10)
     ax.axis("off")
 fig.suptitle("kmp_digits: 8x8 handwritten digits from scikit-learn (test split)", y=1.05)
@@ -258,15 +260,16 @@ plt.show()
 # %% [markdown]
 # ### What these numbers mean
 #
-# * **"auto" is float32 on this machine**, so the first two bars run the very same
-#   computation. Whatever difference you see between them is run-to-run noise (other work on
-#   the machine, caches, the tracing of the first epoch): use it as the error bar for the
-#   other comparison.
-# * **mixed_bfloat16 is not faster on this CPU.** It has no bfloat16 instructions, so
-#   TensorFlow converts to and from float32 around the arithmetic. On a CPU *with* AVX512_BF16
-#   or AMX the project measured bfloat16 at about twice the float32 throughput for a small
-#   CNN, and on tensor-core GPUs NVIDIA reports speed-ups of up to about 3x for models large
-#   enough to keep the tensor cores busy. A model this small (8x8 images, under 40,000
+# * **"auto" is one of the other two** (mixed_bfloat16 on the machine that last ran this, a
+#   CPU with AVX512_BF16; float32 on one without), so two bars run the very same computation.
+#   Whatever difference you see between them is run-to-run noise (other work on the machine,
+#   caches, the tracing of the first epoch): use it as the error bar for the other comparison.
+# * **mixed_bfloat16 pays only where the CPU has bfloat16 instructions.** Without them
+#   TensorFlow converts to and from float32 around the arithmetic and it is slower. On a CPU
+#   *with* AVX512_BF16 or AMX the project measured bfloat16 at about twice the float32
+#   throughput for a small CNN, and on tensor-core GPUs NVIDIA reports speed-ups of up to
+#   about 3x for models large enough to keep the tensor cores busy. A model this small
+#   (8x8 images, under 40,000
 #   parameters) is dominated by per-step overhead anywhere, so do not read a speed-up or
 #   slow-down from it into your own model: measure yours, on your hardware, with
 #   `kmp.enable()` and `kmp.enable("float32")`.
