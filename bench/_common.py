@@ -46,3 +46,43 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+TRAIN = Path(__file__).resolve().parents[1] / "launch" / "train.py"
+
+
+def run_train_job(
+    train_args: list[str],
+    np_: int,
+    summary: Path,
+    label: str,
+    launch_args: tuple[str, ...] = (),
+    env_extra: dict[str, str] | None = None,
+    timeout: float = 3600,
+) -> tuple[dict, float]:
+    """Run ``kmp launch -np N launch/train.py ARGS --summary FILE``; return its summary and wall s.
+
+    ``KERAS_BACKEND`` and ``KMP_POLICY`` are removed from the job's environment (they would
+    override the job's own engine and policy).
+
+    Raises:
+        SystemExit: The job failed or wrote no summary; the message has ``label`` and the tail
+            of its output.
+    """
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kmp.cli", "launch", *launch_args, "-np", str(np_), str(TRAIN)]
+    cmd += [*train_args, "--summary", str(summary)]
+    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "KMP_POLICY")}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.update(env_extra or {})
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        cmd, env=env, cwd=TRAIN.parents[1], capture_output=True, text=True, timeout=timeout
+    )
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not summary.exists():
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise SystemExit(f"{label} failed ({proc.returncode}):\n{tail}")
+    return json.loads(summary.read_text()), wall

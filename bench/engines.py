@@ -16,39 +16,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-TRAIN = ROOT / "launch" / "train.py"
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 ENGINES = ("horovod", "jax")
 
 
 def run_one(engine: str, policy: str, args: argparse.Namespace, out: Path) -> dict:
     """Launch the digits job once; return its summary plus the wall time."""
-    summary = out / f"{engine}-{policy}.json"
-    cmd = [
-        sys.executable, "-m", "kmp.cli", "launch", "--engine", engine, "-np", str(args.np),
-        str(TRAIN), "--model", "digits_cnn", "--policy", policy, "--epochs", str(args.epochs),
-        "--batch-size", "32", "--summary", str(summary), "--verbose", "0",
-    ]  # fmt: skip
+    from _common import run_train_job
+
+    args_ = ["--model", "digits_cnn", "--policy", policy, "--epochs", str(args.epochs)]
+    args_ += ["--batch-size", "32", "--verbose", "0"]
     if policy == "mixed_float16":
-        cmd += ["--inject-overflow", "3"]
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "KMP_POLICY")}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.np)))
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0 or not summary.exists():
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        raise SystemExit(f"bench/engines.py: {engine} {policy} failed ({proc.returncode}):\n{tail}")
-    s = json.loads(summary.read_text())
+        args_ += ["--inject-overflow", "3"]
+    threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.np)))
+    s, wall = run_train_job(
+        args_,
+        args.np,
+        out / f"{engine}-{policy}.json",
+        f"bench/engines.py: {engine} {policy}",
+        launch_args=("--engine", engine),
+        env_extra={"OMP_NUM_THREADS": threads},
+        timeout=1800,
+    )
     return {
         "engine": engine,
         "policy": policy,

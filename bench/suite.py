@@ -35,6 +35,7 @@ RESULT_NAMES = {
     "allreduce": "allreduce",
     "memory": "memory",
     "peers": "peers",
+    "numerics": "numerics",
 }
 # Environment variables that would change what a benchmark measures.
 _SCRUBBED_ENV = ("KMP_POLICY",)
@@ -95,6 +96,8 @@ def plan(args: argparse.Namespace) -> list[Part]:
             parts.append(Part(name, "memory.py", tuple(argv)))
         elif name == "peers":  # its own models: the digits CNN and the wide MLP
             parts.append(Part(name, "peers.py", ("--quick",) if quick else ()))
+        elif name == "numerics":  # its own workloads: digits, MNIST-1D, the GPT on text
+            parts.append(Part(name, "numerics.py", ("--quick",) if quick else ()))
         else:
             raise ValueError(f"unknown benchmark part {name!r}")
     return parts
@@ -436,19 +439,34 @@ def target_gpu(results: dict) -> list[Target]:
     return [t]
 
 
-def target_peers(results: dict) -> list[Target]:
-    """The targets ``peers.py`` judged: the limit, the peers, compression and overlap."""
-    res = results.get("peers")
-    out = []
-    for t in (res or {}).get("targets", []):
-        target = Target(t["name"], t["goal"], measured=t["measured"], value=t["value"])
-        target.passed = t["met"]
-        if target.passed is not None:
-            target.measured = f"{t['value']} ({t['measured']})"
-        if target.passed is False:
-            target.why = "see peers.md and docs/performance.md." + _load_note(res)
-        out.append(target)
-    return out
+def judged_by_part(part: str):
+    """Return the target function for a part that judges its own targets (peers, numerics).
+
+    Such a part writes ``targets`` (name, goal, value, met, measured, optional why) into its
+    JSON; the suite takes them as they are.
+    """
+
+    def read(results: dict) -> list[Target]:
+        res = results.get(part)
+        out = []
+        for t in (res or {}).get("targets", []):
+            target = Target(t["name"], t["goal"], measured=t["measured"], value=t["value"])
+            target.passed = t["met"]
+            if target.passed is not None:
+                target.measured = f"{t['value']} ({t['measured']})"
+            if target.passed is False:
+                target.why = (t.get("why") or f"see {part}.md and docs/performance.md.") + (
+                    _load_note(res) if part == "peers" else ""
+                )
+            out.append(target)
+        return out
+
+    read.__name__ = f"target_{part}"
+    return read
+
+
+target_peers = judged_by_part("peers")
+target_numerics = judged_by_part("numerics")
 
 
 TARGETS = (
@@ -459,6 +477,7 @@ TARGETS = (
     target_compression,
     target_memory,
     target_gpu,
+    target_numerics,
 )
 
 
@@ -508,6 +527,7 @@ def summary_markdown(
         "allreduce": "Allreduce and weak scaling",
         "memory": "Memory of a training step",
         "peers": "Peers, the limit, hosts and links",
+        "numerics": "Numerics: accuracy per policy on real workloads",
     }
     for name, rec in records.items():
         lines += ["", f"## {titles.get(name, name)}", ""]

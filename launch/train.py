@@ -160,6 +160,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="finite steps before a dynamic loss scale doubles (float16 only)",
     )
     p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure the test accuracy (language models: the validation loss) every N "
+        "epochs, on every rank's shard; the summary's eval_history holds the curve (0: only "
+        "at the end)",
+    )
+    p.add_argument(
         "--stop-after-epochs",
         type=int,
         help="stop this run after N epochs as if preempted (to try out resuming)",
@@ -237,6 +246,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--inject-overflow must be a step >= 0")
     if args.commit_every < 1:
         p.error("--commit-every must be >= 1")
+    if args.eval_every < 0:
+        p.error("--eval-every must be >= 0 (0: evaluate at the end only)")
+    if args.eval_every and args.elastic:
+        p.error("--eval-every evaluates on every rank at once; an elastic job cannot: drop it")
     if args.elastic and (args.steps_per_epoch is not None or args.stop_after_epochs is not None):
         p.error(
             "--elastic trains on whole epochs (the rank count may change mid-epoch): drop "
@@ -622,6 +635,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     history: dict[str, list] = {}
     skips = skip_recorder(kmp)
     rate = throughput_callback(args.batch_size, kmp)
+    curve = workloads.evaluate_every(lambda: evaluate(model, args, kmp), args.eval_every, steps)
     elastic: dict = {}
     final_epoch = initial_epoch
     overflow_rank = args.inject_overflow_rank
@@ -638,7 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup_epochs=(args.warmup_epochs or None) if args.lr_schedule == "constant" else None,
         checkpoint_dir=args.checkpoint_dir,
         keep=args.keep_checkpoints,
-        extra=[rate, skips]
+        extra=[rate, skips, curve]
         + ([stop_after(args.stop_after_epochs)] if args.stop_after_epochs else []),
         verbose=1,
     )
@@ -725,6 +739,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "skipped_steps": skipped,
         "skipped_at": skips.steps,  # steps of this run (0-based) the optimizer skipped
         "history": history,
+        # With --eval-every: [{"epoch", "step", and evaluate's figures}], one per evaluation.
+        "eval_history": curve.points,
         "final_loss": history["loss"][-1] if history.get("loss") else None,
         "test_accuracy": metrics.get("test_accuracy"),
         **metrics,

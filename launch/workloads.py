@@ -174,6 +174,37 @@ def model_inputs(name: str, dataset):
     return dataset.map(to_dict)
 
 
+@functools.cache
+def evaluate_every_class() -> type:
+    """Return the ``EvaluateEvery`` Keras callback class (Keras imported on first use)."""
+    import keras
+
+    class EvaluateEvery(keras.callbacks.Callback):
+        """Call ``evaluate()`` every ``every`` epochs and keep its figures in :attr:`points`.
+
+        ``evaluate`` may be collective (every rank calls it at the same epoch end). The
+        figures are kept here, not in the epoch's logs, so that the metric averaging and
+        the history of ``fit`` stay as they are. ``every=0`` records nothing.
+        """
+
+        def __init__(self, evaluate, every: int, steps_per_epoch: int):
+            super().__init__()
+            self.evaluate, self.every, self.steps_per_epoch = evaluate, every, steps_per_epoch
+            self.points: list[dict] = []
+
+        def on_epoch_end(self, epoch, logs=None):
+            if self.every and (epoch + 1) % self.every == 0:
+                step = (epoch + 1) * self.steps_per_epoch
+                self.points.append({"epoch": epoch + 1, "step": step, **self.evaluate()})
+
+    return EvaluateEvery
+
+
+def evaluate_every(evaluate, every: int, steps_per_epoch: int):
+    """Build an ``EvaluateEvery`` callback (see :func:`evaluate_every_class`)."""
+    return evaluate_every_class()(evaluate, every, steps_per_epoch)
+
+
 def lm_metrics(model, name: str, dataset, kmp) -> dict:
     """Validation loss (nats per byte, bits per byte) over every rank's part of ``dataset``.
 

@@ -122,11 +122,12 @@ def test_bench_is_a_kmp_command():
 def test_plan_passes_the_options_to_each_script():
     suite = _load("suite")
     parts = {p.name: p for p in suite.plan(_args(model="cnn", steps=7, batch=16))}
-    assert list(parts) == ["policies", "overhead", "allreduce", "memory", "peers"]
+    assert list(parts) == ["policies", "overhead", "allreduce", "memory", "peers", "numerics"]
     assert parts["peers"].argv == ()  # its own models and sizes (the digits CNN, wide_mlp)
+    assert parts["numerics"].argv == ()  # its own workloads (digits, MNIST-1D, the GPT)
     for name, part in parts.items():
         assert (BENCH / part.script).name == f"{name}.py"
-        if name == "peers":
+        if name in ("peers", "numerics"):
             continue
         argv = list(part.argv)
         assert argv[argv.index("--steps") + 1] == "7"
@@ -353,6 +354,71 @@ def test_plot_writes_a_png_with_or_without_results(tmp_path):
         assert path.read_bytes()[:8] == PNG_MAGIC
 
 
+def _row(workload, policy, seed, value, diff=0.0, skipped=0, scale=1.0):
+    metric = "val_loss_nats" if workload == "gpt" else "test_accuracy"
+    return {
+        "workload": workload, "policy": policy, "seed": seed, "metric": metric,
+        "value": value, "skipped_steps": skipped, "loss_scale_end": scale,
+        "weights_max_diff": diff, "steps": 10, "speed": 100.0, "speed_unit": "examples/s",
+        "curve": [[5, value + 0.5], [10, value]] if workload == "gpt" else [],
+    }  # fmt: skip
+
+
+def test_numerics_aggregates_seeds_and_judges_the_targets():
+    numerics = _load("numerics")
+    rows = [
+        _row("mnist1d", "float32", s, v) for s, v in enumerate((93.0, 94.0, 95.0))
+    ] + [
+        _row("mnist1d", "mixed_bfloat16", s, v) for s, v in enumerate((93.5, 94.5, 95.5))
+    ] + [
+        _row("mnist1d", "mixed_float16", s, v, skipped=2, scale=2.0**14)
+        for s, v in enumerate((92.0, 93.0, 94.0))
+    ] + [
+        _row("gpt", "float32", 0, 2.0), _row("gpt", "mixed_float16", 0, 2.03, diff=1e-7),
+    ]  # fmt: skip
+    table = numerics.aggregate(rows)
+    bf16, fp16 = table["mnist1d"]["mixed_bfloat16"], table["mnist1d"]["mixed_float16"]
+    assert bf16["mean"] == pytest.approx(94.5) and bf16["std"] == pytest.approx(1.0)
+    assert bf16["delta_points"] == pytest.approx(0.5)
+    assert fp16["delta_points"] == pytest.approx(-1.0) and fp16["skipped_steps"] == [2, 2, 2]
+    assert table["gpt"]["mixed_float16"]["delta_percent"] == pytest.approx(1.5)
+    judged = {t["name"]: t for t in numerics.targets(table, rows)}
+    assert judged["MNIST-1D CNN, mixed_bfloat16 vs float32 test accuracy (mean of seeds)"]["met"]
+    missed = judged["MNIST-1D CNN, mixed_float16 vs float32 test accuracy (mean of seeds)"]
+    assert missed["met"] is False and "spread" in missed["why"]
+    assert (
+        judged["GPT on text, mixed_float16 vs float32 validation loss (mean of seeds)"]["met"]
+        is False
+    )  # 1.5 % > 1 %
+    assert (
+        judged["GPT on text, mixed_bfloat16 vs float32 validation loss (mean of seeds)"]["met"]
+        is None
+    )  # not run
+    paper = judged["MNIST-1D CNN test accuracy, every policy (mean of seeds)"]
+    assert paper["met"] is False and paper["value"] == pytest.approx(93.0)  # fp16's mean
+    assert "not mixed precision's" not in paper["why"]  # float32 reached 94: a policy missed
+    same = judged["ranks' weights bit-identical after every run"]
+    assert same["met"] is False and same["value"] == 1e-7
+    md = numerics.markdown({"machine": {}, "ranks": 2, "seeds": [0, 1, 2], "table": table,
+                            "targets": list(judged.values()), "plot": None})  # fmt: skip
+    assert "| mnist1d | mixed_float16 | 93 +- 1 | 92 - 94 | -1.00 points | 2, 2, 2 |" in md
+
+
+def test_numerics_options_are_checked():
+    numerics = _load("numerics")
+    quick = numerics.parse_args(["--quick"])
+    assert quick.seeds == [0] and quick.workloads == ["gpt"]
+    assert quick.policies == ["float32", "mixed_float16"]
+    for bad in (["--policies", "float8"], ["--workloads", "imagenet"], ["--seeds", ","]):
+        with pytest.raises(SystemExit):
+            numerics.parse_args(bad)
+    argv = numerics.train_args("mnist1d", "mixed_bfloat16", 2, quick=False)
+    assert (
+        argv[argv.index("--model") + 1] == "mnist1d_cnn" and argv[argv.index("--seed") + 1] == "2"
+    )
+    assert "--steps-per-epoch" in numerics.train_args("gpt", "float32", 0, quick=True)
+
+
 # ------------------------------------------------------------------ memory counting
 
 
@@ -391,6 +457,20 @@ def _run(cmd, env=None, timeout=900):
     return proc
 
 
+def _signed(part: str, path: str) -> bool:
+    """Figures that may be negative: the numerics' differences from float32."""
+    return part == "numerics" and path.rsplit("/", 1)[-1] in (
+        "delta_percent",
+        "delta_points",
+        "value",
+    )
+
+
+def _numerics_targets(summary: dict) -> list[dict]:
+    names = {"ranks' weights bit-identical after every run"}
+    return [t for t in summary["targets"] if t["name"] in names or "(mean of seeds)" in t["name"]]
+
+
 @pytest.mark.slow
 def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
     out = tmp_path / "results"
@@ -403,7 +483,8 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
         payload = json.loads((out / rec["result_file"]).read_text())
         numbers = list(_numbers(payload))
         assert numbers, name
-        bad = [(p, v) for p, v in numbers if not math.isfinite(v) or v < 0]
+        bad = [(p, v) for p, v in numbers if not math.isfinite(v)]
+        bad += [(p, v) for p, v in numbers if v < 0 and not _signed(name, p)]
         assert not bad, (name, bad)
         assert (out / "logs" / f"{name}.log").stat().st_size > 0
     policies = json.loads((out / summary["parts"]["policies"]["result_file"]).read_text())
@@ -416,9 +497,11 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
         assert fig["step_bytes"] > 0
     assert memory["policies"]["mixed_float16"]["activation_vs_float32"] < 1.0
     targets = {t["name"]: t for t in summary["targets"]}
-    assert len(targets) == 12
+    assert len(targets) == 20
     measured = [t for t in targets.values() if t["result"] != "not run"]
-    assert len(measured) == 9  # all but the GPU one and the two of the links (not in --quick)
+    # All but the GPU one and the two of the links (not in --quick); of the numerics, the
+    # GPT under mixed_float16 and the ranks' weights (the quick run has only those).
+    assert len(measured) == 11
     peers = json.loads((out / summary["parts"]["peers"]["result_file"]).read_text())
     jobs = peers["local"]["jobs"]
     assert not peers["local"]["errors"]
@@ -427,7 +510,20 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
         assert 0.0 <= jobs[name]["accuracy"] <= 1.0
     assert peers["cluster"] == {"skipped": "--no-cluster"}
     for t in measured:
-        assert math.isfinite(t["value"]) and t["value"] > 0
+        assert math.isfinite(t["value"])
+        assert t["value"] > 0 or t in _numerics_targets(summary), t
+    numerics = json.loads((out / summary["parts"]["numerics"]["result_file"]).read_text())
+    assert [(r["workload"], r["policy"]) for r in numerics["rows"]] == [
+        ("gpt", "float32"),
+        ("gpt", "mixed_float16"),
+    ]
+    for row in numerics["rows"]:  # real 2-rank runs: in sync, 4 steps, evaluated each epoch
+        assert row["weights_max_diff"] == 0 and row["steps"] == 4
+        assert [step for step, _ in row["curve"]] == [2, 4]
+        assert all(2.0 < loss < 6.0 for _, loss in row["curve"])  # nats/byte, ln 256 = 5.5
+    f32, f16 = numerics["rows"]
+    assert f32["loss_scale_end"] == 1.0 and f16["loss_scale_end"] >= 2.0**10
+    assert (out / "numerics_quick.png").read_bytes()[:8] == PNG_MAGIC
     assert (out / "summary_quick.png").read_bytes()[:8] == PNG_MAGIC
     md = (out / "summary_quick.md").read_text()
     assert "| target | goal | measured | result | why |" in md

@@ -65,6 +65,8 @@ def test_bad_flags_are_clear_errors(data_dir):
         (["--model", "mnist1d_cnn", "--text-dir", "."], "--text-dir is for"),
         (["--model", "mnist1d_cnn", "--elastic"], "mnist1d lives in memory"),
         (["--model", "gpt", "--seq-len", "0"], "--seq-len must be >= 1"),
+        (["--eval-every", "-1"], "--eval-every must be >= 0"),
+        (["--eval-every", "2", "--elastic"], "--eval-every evaluates on every rank"),
     ]:
         proc = subprocess.run(
             [sys.executable, str(TRAIN), *args],
@@ -214,10 +216,36 @@ def test_mnist1d_cnn_two_ranks_learns(tmp_path):
     summary = tmp_path / "mnist1d.json"
     _train(
         tmp_path, "--model", "mnist1d_cnn", "--policy", "float32", "--epochs", "2",
-        "--summary", str(summary), np=2,
+        "--eval-every", "1", "--summary", str(summary), np=2,
     )  # fmt: skip
     s = json.loads(summary.read_text())
     assert s["dataset"] == "mnist1d" and s["batch_size_per_rank"] == 50
     assert s["iterations_end"] == 2 * 40  # 4,000 signals / 2 ranks / 50
     assert s["test_accuracy"] > 0.3  # chance is 0.1
     assert s["weights_max_diff"] == 0.0
+    # --eval-every 1: the test accuracy after each epoch, the last one the final figure.
+    curve = s["eval_history"]
+    assert [(p["epoch"], p["step"]) for p in curve] == [(1, 40), (2, 80)]
+    assert curve[-1]["test_accuracy"] == s["test_accuracy"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@requires_horovod
+def test_gpt2_hub_two_ranks_through_train_py(tmp_path):
+    """KerasHub's GPT2CausalLM, the user's path: train.py on 2 ranks, evaluated per epoch."""
+    pytest.importorskip("keras_hub")
+    summary = tmp_path / "hub.json"
+    _train(
+        tmp_path,
+        "--model", "gpt2-hub", "--policy", "mixed_bfloat16", "--seq-len", "32",
+        "--batch-size", "4", "--epochs", "2", "--steps-per-epoch", "2", "--eval-every", "1",
+        "--summary", str(summary),
+        np=2,
+    )  # fmt: skip
+    s = json.loads(summary.read_text())
+    assert s["model"] == "gpt2-hub" and s["iterations_end"] == 4
+    assert s["weights_max_diff"] == 0.0
+    curve = s["eval_history"]
+    assert [p["step"] for p in curve] == [2, 4]
+    assert curve[-1]["val_loss_nats"] == s["val_loss_nats"] < math.log(256)

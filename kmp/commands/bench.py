@@ -22,7 +22,11 @@ started as a child process of this one):
   ``MultiWorkerMirroredStrategy`` and two independent processes (the limit) on
   one host, and on 2-3 ``kmp cluster`` hosts over links shaped to 1 and 10
   Gbit/s with compression and bucketed overlap (``bench/peers.py``; the
-  multi-host half needs root, and ``--quick`` runs the one-host half only).
+  multi-host half needs root, and ``--quick`` runs the one-host half only);
+* ``numerics``: test accuracy and validation loss under float32, mixed_bfloat16 and
+  mixed_float16 on the digits CNN, the MNIST-1D paper's CNN and a byte-level GPT, 3
+  seeds each on 2 ranks, with skipped steps, loss scales and the ranks' weights
+  (``bench/numerics.py``; ``--quick``: the GPT under 2 policies, 2 steps an epoch).
 
 Each part writes ``NAME.json`` and ``NAME.md`` into the output folder; then
 ``summary.json``, ``summary.md`` (each target, the measured figure, met or
@@ -46,7 +50,7 @@ from types import ModuleType
 
 __all__ = ["ALIASES", "MODELS", "PARTS", "configure", "find_bench_dir", "main", "run"]
 
-PARTS = ("policies", "overhead", "allreduce", "memory", "peers")
+PARTS = ("policies", "overhead", "allreduce", "memory", "peers", "numerics")
 # Other names accepted by --only, and the part that measures them.
 ALIASES = {"scaling": "allreduce", "weak_scaling": "allreduce", "policy": "policies"}
 # The models of bench/models.py, repeated so that the parser needs no import of bench/.

@@ -1,0 +1,376 @@
+"""The numerics table: does mixed precision lose accuracy on work people recognise?
+
+    .venv/bin/python bench/numerics.py                   # 3 seeds x 3 policies x 3 workloads
+    .venv/bin/python bench/numerics.py --seeds 0 --workloads gpt --policies float32,mixed_float16
+    .venv/bin/python bench/numerics.py --quick           # a smoke run (2 tiny jobs)
+
+Every run is a real 2-rank job, ``kmp launch -np 2 launch/train.py --model M --policy P
+--seed S``, one after the other, on the workloads of issue 24:
+
+* ``digits``: the digits CNN on scikit-learn's 8x8 digits (test accuracy, 359 images);
+* ``mnist1d``: the MNIST-1D paper's CNN on its procedural data set (test accuracy, 1,000
+  signals; the paper reports 94 %);
+* ``gpt``: the byte-level causal transformer on the Python standard library's sources
+  (validation loss in nats per byte), evaluated every 25 steps for the curves.
+
+Per workload and policy: mean, sample standard deviation, min and max of the metric over
+the seeds, its difference from float32's mean (points of accuracy, or percent of the
+validation loss), the skipped steps and final loss scales (float16), and the largest
+difference between the ranks' weights. The targets of issue 24 are judged here (the suite
+reads them back); the GPT's validation-loss curves are plotted per policy. Results:
+``numerics.{json,md,png}`` in ``$KMP_BENCH_RESULTS`` (default ``bench/results``), with the
+CPU they ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+# workload -> (train.py model, metric, the run's extra arguments, the quick run's).
+WORKLOADS = {
+    "digits": ("digits_cnn", "test_accuracy", (), ("--epochs", "1", "--steps-per-epoch", "2")),
+    "mnist1d": ("mnist1d_cnn", "test_accuracy", (), ("--epochs", "1", "--steps-per-epoch", "2")),
+    # The default GPT run (200 steps) as 8 epochs of 25, evaluated after each one.
+    "gpt": (
+        "gpt",
+        "val_loss_nats",
+        ("--epochs", "8", "--steps-per-epoch", "25", "--eval-every", "1"),
+        ("--epochs", "2", "--steps-per-epoch", "2", "--eval-every", "1"),
+    ),
+}
+# The targets of issue 24.
+MAX_POINTS = 0.5  # accuracy: a mixed policy's mean within 0.5 points of float32's
+MAX_LOSS_PERCENT = 1.0  # the GPT: validation loss within 1 % of float32's
+PAPER_MNIST1D = 94.0  # Greydanus (2020), the CNN's test accuracy in percent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--np", type=int, default=2, help="ranks per job")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="seed 0, float32 and mixed_float16, the GPT only, 2 steps an epoch: checks that it "
+        "runs (the figures mean nothing); writes numerics_quick.*",
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds, args.policies, args.workloads = "0", "float32,mixed_float16", "gpt"
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
+    args.workloads = [s.strip() for s in args.workloads.split(",") if s.strip()]
+    for name, chosen, valid in (
+        ("--policies", args.policies, POLICIES),
+        ("--workloads", args.workloads, tuple(WORKLOADS)),
+    ):
+        bad = [c for c in chosen if c not in valid]
+        if bad or not chosen:
+            p.error(f"{name}: {bad or 'nothing'} given; choose from {', '.join(valid)}")
+    if not args.seeds or args.np < 1:
+        p.error("--seeds needs at least one seed and --np at least 1")
+    return args
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def train_args(workload: str, policy: str, seed: int, quick: bool) -> list[str]:
+    """The ``launch/train.py`` arguments of one run."""
+    model, _, extra, quick_extra = WORKLOADS[workload]
+    args = ["--model", model, "--policy", policy, "--seed", str(seed), "--verbose", "2"]
+    return args + list(quick_extra if quick else extra)
+
+
+def run_one(workload: str, policy: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
+    """Run one 2-rank job; return its row (raises SystemExit with the log's tail on failure)."""
+    from _common import run_train_job
+
+    print(f"[numerics] {workload} {policy} seed {seed}", flush=True)
+    s, wall = run_train_job(
+        train_args(workload, policy, seed, args.quick),
+        args.np,
+        tmp / f"{workload}-{policy}-{seed}.json",
+        f"bench/numerics.py: {workload} {policy} seed {seed}",
+    )
+    metric = WORKLOADS[workload][1]
+    return {
+        "workload": workload,
+        "policy": policy,
+        "seed": seed,
+        "metric": metric,
+        "value": s[metric] * (100.0 if metric == "test_accuracy" else 1.0),
+        "skipped_steps": s["skipped_steps"],
+        "loss_scale_end": s["loss_scale_end"],
+        "weights_max_diff": s["weights_max_diff"],
+        "steps": s["iterations_end"] - s["iterations_start"],
+        "speed": s["tokens_per_sec"] or s["images_per_sec"],
+        "speed_unit": "tokens/s" if s["tokens_per_sec"] else "examples/s",
+        "curve": [[p["step"], p[metric]] for p in s.get("eval_history", [])],
+        "wall_s": round(wall, 1),
+    }
+
+
+# ------------------------------------------------------------------------ figures
+
+
+def aggregate(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """Per workload and policy: the metric's mean, spread and difference from float32.
+
+    Accuracy is in percent and its difference in points; a validation loss's difference
+    is in percent of float32's mean (``delta_percent``; positive: worse).
+    """
+    out: dict[str, dict[str, dict]] = {}
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        mine = [r for r in rows if r["workload"] == workload]
+        out[workload] = {}
+        for policy in dict.fromkeys(r["policy"] for r in mine):
+            runs = [r for r in mine if r["policy"] == policy]
+            values = [r["value"] for r in runs]
+            out[workload][policy] = {
+                "metric": runs[0]["metric"],
+                "seeds": [r["seed"] for r in runs],
+                "values": values,
+                "mean": statistics.fmean(values),
+                "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                "min": min(values),
+                "max": max(values),
+                "skipped_steps": [r["skipped_steps"] for r in runs],
+                "loss_scale_end": [r["loss_scale_end"] for r in runs],
+                "weights_max_diff": max(r["weights_max_diff"] for r in runs),
+                "speed": statistics.fmean(r["speed"] for r in runs),
+                "speed_unit": runs[0]["speed_unit"],
+            }
+        base = out[workload].get("float32")
+        for fig in out[workload].values():
+            if base is None:
+                continue
+            if fig["metric"] == "test_accuracy":
+                fig["delta_points"] = fig["mean"] - base["mean"]
+            else:
+                fig["delta_percent"] = 100.0 * (fig["mean"] - base["mean"]) / base["mean"]
+    return out
+
+
+def _target(name: str, goal: str, value, met, measured: str, why: str = "") -> dict:
+    return {
+        "name": name,
+        "goal": goal,
+        "value": value,
+        "met": met,
+        "measured": measured,
+        "why": why,
+    }
+
+
+def targets(table: dict, rows: list[dict]) -> list[dict]:
+    """Judge issue 24's targets on this run's figures (a target not measured: met None)."""
+    out = []
+    labels = {"digits": "digits CNN", "mnist1d": "MNIST-1D CNN"}
+    for workload, label in labels.items():
+        for policy in POLICIES[1:]:
+            fig = (table.get(workload) or {}).get(policy)
+            name = f"{label}, {policy} vs float32 test accuracy (mean of seeds)"
+            goal = f"within {MAX_POINTS} points"
+            if fig is None or "delta_points" not in fig:
+                out.append(_target(name, goal, None, None, "not run"))
+                continue
+            d = fig["delta_points"]
+            base = table[workload]["float32"]["mean"]
+            measured = f"{d:+.2f} points ({fig['mean']:.2f} % vs {base:.2f} %, "
+            measured += f"{len(fig['values'])} seeds)"
+            why = "" if abs(d) <= MAX_POINTS else _spread_note(table[workload], policy)
+            out.append(_target(name, goal, round(d, 3), abs(d) <= MAX_POINTS, measured, why))
+    for policy in POLICIES[1:]:
+        fig = (table.get("gpt") or {}).get(policy)
+        name = f"GPT on text, {policy} vs float32 validation loss (mean of seeds)"
+        goal = f"within {MAX_LOSS_PERCENT} %"
+        if fig is None or "delta_percent" not in fig:
+            out.append(_target(name, goal, None, None, "not run"))
+            continue
+        d = fig["delta_percent"]
+        measured = (
+            f"{d:+.2f} % ({fig['mean']:.4f} vs {table['gpt']['float32']['mean']:.4f} nats/byte)"
+        )
+        why = "" if abs(d) <= MAX_LOSS_PERCENT else _spread_note(table["gpt"], policy)
+        out.append(_target(name, goal, round(d, 3), abs(d) <= MAX_LOSS_PERCENT, measured, why))
+    m1d = table.get("mnist1d") or {}
+    name, goal = "MNIST-1D CNN test accuracy, every policy (mean of seeds)", f">= {PAPER_MNIST1D} %"
+    if m1d:
+        worst = min(m1d, key=lambda p: m1d[p]["mean"])
+        low = m1d[worst]["mean"]
+        measured = ", ".join(f"{p} {f['mean']:.2f} %" for p, f in m1d.items())
+        why = "" if low >= PAPER_MNIST1D else _mnist1d_note(m1d)
+        out.append(_target(name, goal, round(low, 3), low >= PAPER_MNIST1D, measured, why))
+    else:
+        out.append(_target(name, goal, None, None, "not run"))
+    diffs = [r["weights_max_diff"] for r in rows]
+    worst_diff = max(diffs, default=None)
+    out.append(
+        _target(
+            "ranks' weights bit-identical after every run",
+            "max diff 0",
+            worst_diff,
+            None if worst_diff is None else worst_diff == 0,
+            f"largest difference {worst_diff} over {len(rows)} runs",
+            "" if not worst_diff else "some rank ended with different weights: a bug; see the rows",
+        )
+    )
+    return out
+
+
+def _spread_note(fig_by_policy: dict, policy: str) -> str:
+    base, mine = fig_by_policy["float32"], fig_by_policy[policy]
+    return (
+        f"seed-to-seed spread: float32 {base['std']:.2f}, {policy} {mine['std']:.2f} "
+        f"(ranges {base['min']:.2f}-{base['max']:.2f} and {mine['min']:.2f}-{mine['max']:.2f})."
+    )
+
+
+def _mnist1d_note(m1d: dict) -> str:
+    f32 = m1d.get("float32")
+    if f32 and f32["mean"] < PAPER_MNIST1D:
+        return (
+            f"float32 itself reaches {f32['mean']:.2f} % (seeds {f32['min']:.1f}-"
+            f"{f32['max']:.1f}): the gap is not mixed precision's. The README's MNIST-1D "
+            "section lists what differs from the paper's PyTorch run."
+        )
+    worst = min(m1d, key=lambda p: m1d[p]["mean"])
+    return f"{worst} reaches {m1d[worst]['mean']:.2f} % where float32 reaches 94 % or more."
+
+
+def markdown(result: dict) -> str:
+    from _common import markdown_table
+
+    m = result["machine"]
+    lines = [
+        "# Numerics: mixed precision against float32 on real workloads",
+        "",
+        f"{result['ranks']} ranks per job, seeds {result['seeds']}, on {m.get('cpu')} "
+        f"({m.get('cores')} cores), {m.get('date')}. Mean +- sample standard deviation over "
+        "the seeds; accuracy in percent, the GPT's validation loss in nats per byte.",
+        "",
+    ]
+    rows = []
+    for workload, by_policy in result["table"].items():
+        for policy, f in by_policy.items():
+            delta = (
+                f"{f['delta_points']:+.2f} points"
+                if "delta_points" in f
+                else (f"{f['delta_percent']:+.2f} %" if "delta_percent" in f else "-")
+            )
+            rows.append([
+                workload, policy, f"{f['mean']:.4g} +- {f['std']:.2g}",
+                f"{f['min']:.4g} - {f['max']:.4g}", delta,
+                ", ".join(str(s) for s in f["skipped_steps"]),
+                ", ".join(f"{s:g}" if s is not None else "-" for s in f["loss_scale_end"]),
+                f"{f['weights_max_diff']:g}", f"{f['speed']:.0f} {f['speed_unit']}",
+            ])  # fmt: skip
+    lines.append(
+        markdown_table(
+            [
+                "workload",
+                "policy",
+                "metric",
+                "range",
+                "vs float32",
+                "skipped steps",
+                "final loss scale",
+                "ranks' max diff",
+                "speed",
+            ],
+            rows,
+        )
+    )
+    lines += ["", "## Targets", ""]
+    lines.append(
+        markdown_table(
+            ["target", "goal", "measured", "result", "why"],
+            [
+                [t["name"], t["goal"], t["measured"], _result(t["met"]), t["why"] or "-"]
+                for t in result["targets"]
+            ],
+        )
+    )
+    if result.get("plot"):
+        lines += ["", f"![GPT validation loss per policy]({result['plot']})"]
+    return "\n".join(lines)
+
+
+def _result(met) -> str:
+    return "not run" if met is None else ("met" if met else "missed")
+
+
+def plot(rows: list[dict], path: Path) -> Path | None:
+    """The GPT's validation loss against steps, one colour per policy, one line per seed."""
+    curves = [r for r in rows if r["workload"] == "gpt" and r["curve"]]
+    if not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    colours = dict(zip(POLICIES, ("tab:blue", "tab:orange", "tab:green"), strict=True))
+    seen = set()
+    for r in curves:
+        steps, values = zip(*r["curve"], strict=True)
+        label = r["policy"] if r["policy"] not in seen else None
+        seen.add(r["policy"])
+        ax.plot(steps, values, color=colours[r["policy"]], alpha=0.75, label=label, marker=".")
+    ax.set_xlabel("training step (2 ranks)")
+    ax.set_ylabel("validation loss, nats per byte")
+    ax.set_title("Byte-level GPT on the Python standard library")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from _common import RESULTS, machine, write_results
+
+    args = parse_args(argv)
+    out_dir = Path(os.environ.get("KMP_BENCH_RESULTS", RESULTS))
+    name = "numerics_quick" if args.quick else "numerics"
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kmp-numerics-") as tmp:
+        for workload in args.workloads:
+            for seed in args.seeds:
+                for policy in args.policies:  # the policies side by side, seed by seed
+                    rows.append(run_one(workload, policy, seed, args, Path(tmp)))
+    table = aggregate(rows)
+    result = {
+        "quick": args.quick,
+        "ranks": args.np,
+        "seeds": args.seeds,
+        "machine": machine(),
+        "rows": rows,
+        "table": table,
+        "targets": targets(table, rows),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png = plot(rows, out_dir / f"{name}.png")
+    result["plot"] = png.name if png else None
+    write_results(name, result, markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
