@@ -51,7 +51,7 @@ from typing import Any
 from kmp._checks import check_int, is_int
 from kmp._imports import optional_import
 
-__all__ = ["ShardSpec", "available", "load", "open_builder", "shard_spec"]
+__all__ = ["ShardSpec", "available", "load", "open_builder", "shard_counts", "shard_spec"]
 
 _MAX_SEED = 2**31
 _DEFAULT_SHUFFLE_BUFFER = 10_000
@@ -265,6 +265,32 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 # ------------------------------------------------------------------ public API
 
 
+def shard_counts(
+    name: str, split: str, num_examples: int, size: int, batch_size: int | None
+) -> tuple[int, int | None, int]:
+    """How ``num_examples`` are dealt to ``size`` ranks: the arithmetic of every data set.
+
+    Returns:
+        ``(examples per rank, full batches per rank and epoch (None: unbatched), examples
+        left out per epoch)``.
+
+    Raises:
+        ValueError: Too few examples for one full batch per rank (``name`` and ``split``
+            name the data in the message).
+    """
+    per_rank = num_examples // size
+    if batch_size is None:
+        return per_rank, None, 0
+    steps = per_rank // batch_size
+    if steps == 0:
+        raise ValueError(
+            f"Split {split!r} of {name!r} has {num_examples} examples: with {size} rank(s) "
+            f"and batch_size={batch_size} per rank there is not one full batch per rank. "
+            f"Use batch_size <= {max(per_rank, 1)}, fewer ranks or more data."
+        )
+    return per_rank, steps, num_examples - size * steps * batch_size
+
+
 def shard_spec(
     name: str,
     split: str = "train",
@@ -296,18 +322,7 @@ def shard_spec(
     builder = open_builder(name, data_dir, download=download)
     image_key, label_key = _image_label_keys(builder, name)
     n = _num_examples(builder, split, name)
-    per_rank = n // size
-    if batch_size is None:
-        steps, dropped = None, 0
-    else:
-        steps = per_rank // batch_size
-        if steps == 0:
-            raise ValueError(
-                f"Split {split!r} of {name!r} has {n} examples: with {size} rank(s) and "
-                f"batch_size={batch_size} per rank there is not one full batch per rank. "
-                f"Use batch_size <= {max(per_rank, 1)} or fewer ranks."
-            )
-        dropped = n - size * steps * batch_size
+    per_rank, steps, dropped = shard_counts(name, split, n, size, batch_size)
     features = builder.info.features
     return ShardSpec(
         name=name,

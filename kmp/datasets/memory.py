@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from kmp._checks import check_int
-from kmp.data import ShardSpec, _compute_dtype, _epoch_seed, _world
+from kmp.data import ShardSpec, _compute_dtype, _epoch_seed, _world, shard_counts
 
 __all__ = ["NAMES", "arrays", "load", "shard_spec"]
 
@@ -81,18 +81,9 @@ def arrays(
 
 
 def _spec(name: str, split: str, n: int, size: int, batch_size: int | None, shape, classes):
-    per_rank = n // size
-    steps, dropped = None, 0
     if batch_size is not None:
         check_int("batch_size", batch_size, minimum=1)
-        steps = per_rank // batch_size
-        if steps == 0:
-            raise ValueError(
-                f"Split {split!r} of {name!r} has {n} examples: with {size} rank(s) and "
-                f"batch_size={batch_size} per rank there is not one full batch per rank. "
-                f"Use batch_size <= {max(per_rank, 1)}, fewer ranks or more data."
-            )
-        dropped = n - size * steps * batch_size
+    per_rank, steps, dropped = shard_counts(name, split, n, size, batch_size)
     return ShardSpec(name, split, n, size, batch_size, per_rank, steps, dropped, classes, shape)
 
 
