@@ -114,8 +114,11 @@ def run_workers(
     env: dict[str, str] | None = None,
     timeout: float = 300,
     out_dir: Path | None = None,
+    engine: str = "horovod",
 ) -> list[dict]:
-    """Run ``script`` on ``np`` real processes under ``horovodrun --gloo``.
+    """Run ``script`` on ``np`` real processes: ``horovodrun --gloo``, or with
+    ``engine="jax"`` ``kmp launch --engine jax`` (the JAX engine; no KERAS_BACKEND is
+    passed on, the launcher sets it).
 
     Each worker is expected to write ``$KMP_TEST_OUT/rank{R}.json``; the parsed
     files are returned in rank order. A failing job raises with its output.
@@ -135,23 +138,19 @@ def run_workers(
         "OMP_NUM_THREADS": "1",
         **(env or {}),
     }
-    cmd = [
-        horovodrun_path(),
-        "--gloo",
-        "-np",
-        str(np),
-        "-H",
-        f"localhost:{np}",
-        sys.executable,
-        str(script),
-        *args,
-    ]
+    if engine == "jax":
+        full_env.pop("KERAS_BACKEND", None)
+        cmd = [sys.executable, "-m", "kmp.cli", "launch", "--engine", "jax", "-np", str(np)]
+    else:
+        cmd = [horovodrun_path(), "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
+        cmd.append(sys.executable)
+    cmd += [str(script), *args]
     proc = subprocess.run(
         cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
     if proc.returncode != 0:
         raise AssertionError(
-            f"horovodrun failed ({proc.returncode}): {' '.join(cmd)}\n"
+            f"{engine} job failed ({proc.returncode}): {' '.join(cmd)}\n"
             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     results = []

@@ -236,18 +236,7 @@ def _assert_started_from_process_0(ranks: list[dict], engine: str) -> None:
 def test_per_process_seeds_build_process_0s_model_on_the_jax_engine(tmp_path):
     # keras.utils.set_random_seed(1000 + rank) after init(): JAX's device_put would refuse
     # the different initial values; kmp gives every variable process 0's value instead.
-    run_env = {**os.environ, "KMP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    run_env.pop("KERAS_BACKEND", None)
-    r = subprocess.run(
-        [*KMP, "launch", "--engine", "jax", "-np", "2", str(SEED_WORKER)],
-        capture_output=True,
-        text=True,
-        env=run_env,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    ranks = run_workers(SEED_WORKER, out_dir=tmp_path, engine="jax")
     _assert_started_from_process_0(ranks, "jax")
     for rank in ranks:  # already at creation, and dropout's seed state as well
         assert rank["built_vs_ref0"] == rank["seed_spread"] == 0.0, rank
@@ -320,19 +309,7 @@ def test_the_coordinator_port_in_use_is_a_clear_error():
 
 
 def _launch(policy: str, out: Path, *extra: str) -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    run_env = {**os.environ, "KMP_TEST_OUT": str(out), "OMP_NUM_THREADS": "1"}
-    run_env.pop("KERAS_BACKEND", None)
-    r = subprocess.run(
-        [*KMP, "launch", "--engine", "jax", "-np", "2", str(WORKER), policy, "dist", *extra],
-        capture_output=True,
-        text=True,
-        env=run_env,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    return [json.loads((out / f"rank{i}.json").read_text()) for i in range(2)]
+    return run_workers(WORKER, policy, "dist", *extra, out_dir=out, engine="jax", timeout=600)
 
 
 def _single(policy: str, out: Path) -> dict:

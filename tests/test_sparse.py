@@ -6,10 +6,6 @@ real 2-rank jobs are ``tests/distributed/worker_sparse.py`` and ``worker_jax_spa
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import types
 from typing import ClassVar
 
@@ -17,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import ROOT, WORKERS, requires_horovod, run_workers
+from conftest import requires_horovod, run_workers
 
 import kmp.distributed as dist
 from kmp.compat import v1 as kv1
@@ -317,19 +313,7 @@ def test_a_tf1_graph_with_gather_keeps_ranks_identical(sparse_job, strategy):
 def test_an_embedding_model_on_the_jax_engine_ends_identical(tmp_path):
     """JAX gradients are dense: both settings train the same and keep the processes identical."""
     pytest.importorskip("jax")
-    env = {**os.environ, "KMP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    env.pop("KERAS_BACKEND", None)
-    worker = WORKERS / "worker_jax_sparse.py"
-    r = subprocess.run(
-        [sys.executable, "-m", "kmp.cli", "launch", "--engine", "jax", "-np", "2", str(worker)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    ranks = run_workers("worker_jax_sparse.py", out_dir=tmp_path, engine="jax")
     for res in ranks:
         assert res["engine"] == "jax"
         for name, run in res["runs"].items():
