@@ -28,8 +28,11 @@ _EXPORTS: dict[str, str] = {
     "PolicyChoice": "kmp.policy",
     "Float32Output": "kmp.layers",
     "float32_outputs": "kmp.layers",
+    "keep_float32": "kmp.float32_layers",
     "audit": "kmp.auditing",
     "AuditReport": "kmp.auditing",
+    "probe": "kmp.probing",
+    "ProbeReport": "kmp.probing",
     "wrap_optimizer": "kmp._dispatch",
     "load_model": "kmp.saving",
     "configure_gpus": "kmp.gpu",
@@ -61,9 +64,11 @@ if _TYPE_CHECKING:  # pragma: no cover  (static analysers see the lazy names)
     )
     from kmp._dispatch import wrap_optimizer  # noqa: F401
     from kmp.auditing import AuditReport, audit  # noqa: F401
+    from kmp.float32_layers import keep_float32  # noqa: F401
     from kmp.gpu import configure_gpus  # noqa: F401
     from kmp.layers import Float32Output, float32_outputs  # noqa: F401
     from kmp.policy import PolicyChoice, current_policy, disable, enable, policy_scope  # noqa: F401
+    from kmp.probing import ProbeReport, probe  # noqa: F401
     from kmp.saving import load_model  # noqa: F401
 
 

@@ -1,18 +1,18 @@
-"""Keeping a model's outputs in float32.
+"""Keeping a model's outputs, and chosen layers, in float32.
 
-Under a mixed policy every layer computes in float16 or bfloat16, the last one
-included, so a softmax would produce low-precision probabilities and the loss
-would be computed from them. :func:`float32_outputs` rebuilds a Sequential or
-Functional model so that each output layer produces *logits*, and a
-:class:`Float32Output` layer then casts the logits to float32 and applies the
-final activation (softmax, sigmoid, ...) in float32.
+Under a mixed policy every layer computes in float16 or bfloat16, the last one included, so
+a softmax would produce low-precision probabilities and the loss would be computed from
+them. :func:`float32_outputs` rebuilds a Sequential or Functional model so that each output
+layer produces *logits*, and a :class:`Float32Output` layer then casts the logits to float32
+and applies the final activation (softmax, sigmoid, ...) in float32.
 
-Any other model (a subclassed model, a KerasHub task model such as
-``GPT2CausalLM``) cannot be rebuilt from its layers: it is given float32
-outputs in place instead, by moving it to a subclass of its own class that
-casts every 16-bit floating output of ``call`` to float32 (:class:`Float32Outputs`).
-Its logits are still computed in 16 bits (no float32 copy of the vocabulary
-matmul); the loss then reads them in float32.
+Any other model (a subclassed model, a KerasHub task model such as ``GPT2CausalLM``) cannot
+be rebuilt from its layers: it is given float32 outputs in place instead, by moving it to a
+subclass of its own class that casts every 16-bit floating output of ``call`` to float32
+(:class:`Float32Outputs`). Its logits are still computed in 16 bits (no float32 copy of the
+vocabulary matmul); the loss then reads them in float32.
+
+Chosen layers are kept in float32 by :func:`kmp.float32_layers.keep_float32`.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def _activation_name(activation: Any) -> str | None:
 class Float32Output(keras.layers.Layer):
     """Casts its input to float32 and applies an activation in float32.
 
-    Put it at the end of a mixed-precision model, after a layer that produces
-    logits: ``Float32Output("softmax")`` computes the probabilities (and so the
-    loss) in float32 whatever the global policy.
+    Put it at the end of a mixed-precision model, after a layer that produces logits:
+    ``Float32Output("softmax")`` computes the probabilities (and so the loss) in float32
+    whatever the global policy.
 
     Args:
         activation: Activation applied after the cast (name or callable);
@@ -111,14 +111,14 @@ def _cast_low_floats(outputs: Any) -> Any:
 class Float32Outputs:
     """Mixin for a model whose floating outputs leave ``call`` in float32.
 
-    :func:`float32_outputs` moves a model it cannot rebuild (subclassed, KerasHub
-    task models) to ``Float32Outputs[<its class>]``, a subclass of both: the model
-    keeps its class (``isinstance(model, keras_hub.models.GPT2CausalLM)`` stays
-    true), its layers, weights, ``fit``/``evaluate``/``predict``/``generate`` and
-    its config, and ``call`` casts every float16/bfloat16 output to float32. Such a
-    model saves as ``"kmp>Float32Outputs"`` wrapping its own config and loads back
-    the same way with :func:`kmp.load_model` (or ``keras.saving.load_model`` once
-    ``kmp.layers`` is imported). Never instantiate it directly.
+    :func:`float32_outputs` moves a model it cannot rebuild (subclassed, KerasHub task
+    models) to ``Float32Outputs[<its class>]``, a subclass of both: the model keeps its
+    class (``isinstance(model, keras_hub.models.GPT2CausalLM)`` stays true), its layers,
+    weights, ``fit``/``evaluate``/``predict``/``generate`` and its config, and ``call``
+    casts every float16/bfloat16 output to float32. Such a model saves as
+    ``"kmp>Float32Outputs"`` wrapping its own config and loads back the same way with
+    :func:`kmp.load_model` (or ``keras.saving.load_model`` once ``kmp.layers`` is imported).
+    Never instantiate it directly.
     """
 
     _kmp_base: type | None = None  # the model's own class, set on each subclass
@@ -169,9 +169,9 @@ def _move_to_float32_class(model: keras.Model) -> None:
 def has_float32_outputs(model: Any) -> bool:
     """True when ``model``'s ``call`` casts its 16-bit floating outputs to float32.
 
-    That is, the model went through :func:`float32_outputs`'s in-place path
-    (subclassed and KerasHub models). A rebuilt Sequential or Functional model
-    shows its float32 outputs in ``model.outputs`` instead.
+    That is, the model went through :func:`float32_outputs`'s in-place path (subclassed and
+    KerasHub models). A rebuilt Sequential or Functional model shows its float32 outputs in
+    ``model.outputs`` instead.
     """
     return isinstance(model, Float32Outputs)
 
@@ -223,32 +223,28 @@ def _needs_float32_head(layer: keras.layers.Layer, tensor: Any) -> bool:
 def float32_outputs(model: keras.Model) -> keras.Model:
     """Return ``model`` with float32 outputs, activations included where it can.
 
-    A Sequential or Functional model is copied: for each model output produced
-    by a layer that computes in a lower precision, the layer is rebuilt without
-    its final activation (so it produces logits) and followed by
-    :class:`Float32Output` with that activation: softmax and sigmoid are then
-    computed in float32 from the logits, not cast after a float16 softmax.
-    ``Activation`` and ``Softmax`` output layers are replaced by
-    ``Float32Output`` directly. Weights are copied; the original model is left
-    untouched.
+    A Sequential or Functional model is copied: for each model output produced by a layer
+    that computes in a lower precision, the layer is rebuilt without its final activation
+    (so it produces logits) and followed by :class:`Float32Output` with that activation:
+    softmax and sigmoid are then computed in float32 from the logits, not cast after a
+    float16 softmax. ``Activation`` and ``Softmax`` output layers are replaced by
+    ``Float32Output`` directly. Weights are copied; the original model is left untouched.
 
-    Any other model (subclassed, or a KerasHub task model such as
-    ``GPT2CausalLM``, ``GemmaCausalLM``, ``BertTextClassifier``) is changed **in
-    place** and returned: it moves to a subclass of its own class
-    (:class:`Float32Outputs`) whose ``call`` casts every float16/bfloat16 output
-    to float32, so the loss reads float32 logits while the head's matmul stays
-    16-bit. It keeps its class, layers, weights and methods (``generate``
-    included, which samples from its own 16-bit logits). An activation inside
-    such a model's last layer is not moved: make it produce logits (KerasHub
-    task models do) and put the activation in the loss (``from_logits=True``).
-    A tied ``ReversibleEmbedding`` head (KerasHub's language models) without a
-    ``reverse_dtype`` of its own gets the compute dtype as ``reverse_dtype``:
-    Keras would otherwise upcast its whole vocabulary matmul to float32 (see
-    :func:`upcasting_reverse_head`); set ``reverse_dtype="float32"`` on it first
-    to keep that.
+    Any other model (subclassed, or a KerasHub task model such as ``GPT2CausalLM``,
+    ``GemmaCausalLM``, ``BertTextClassifier``) is changed **in place** and returned: it
+    moves to a subclass of its own class (:class:`Float32Outputs`) whose ``call`` casts
+    every float16/bfloat16 output to float32, so the loss reads float32 logits while the
+    head's matmul stays 16-bit. It keeps its class, layers, weights and methods
+    (``generate`` included, which samples from its own 16-bit logits). An activation inside
+    such a model's last layer is not moved: make it produce logits (KerasHub task models do)
+    and put the activation in the loss (``from_logits=True``). A tied
+    ``ReversibleEmbedding`` head (KerasHub's language models) without a ``reverse_dtype`` of
+    its own gets the compute dtype as ``reverse_dtype``: Keras would otherwise upcast its
+    whole vocabulary matmul to float32 (see :func:`upcasting_reverse_head`); set
+    ``reverse_dtype="float32"`` on it first to keep that.
 
-    Outputs that are already float32 are kept as they are, so calling this twice
-    changes nothing.
+    Outputs that are already float32 are kept as they are, so calling this twice changes
+    nothing.
 
     Args:
         model: A Keras model; a Sequential model must have an input shape.

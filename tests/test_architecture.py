@@ -30,7 +30,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp.hardware",
         ),
     ),
-    ("core rules", ("kmp.policy", "kmp.loss_scale", "kmp.layers", "kmp.auditing")),
+    (
+        "core rules",
+        (
+            "kmp.policy",
+            "kmp.loss_scale",
+            "kmp.layers",
+            "kmp.float32_layers",
+            "kmp.auditing",
+            "kmp.probing",
+        ),
+    ),
     ("runtime", ("kmp.distributed", "kmp.gpu")),
     (
         "training",

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import subprocess
 import sys
@@ -427,6 +428,86 @@ def test_small_custom_float32_layer_between_16_bit_layers():
     assert [(f.layer, f.severity) for f in found] == [("scale", "info")]
     assert "next to layers computing in float16" in found[0].message
     assert "float32-large-layer" not in kmp.audit(build(None)).codes()
+
+
+# -------------------------------------------------------------- layers kept in float32
+
+
+def test_attention_kept_in_float32_is_no_risk():
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+    model = attention_model(OverflowingMaskAttention(2, 4, dropout=0.1, name="bad_mha"))
+    before = kmp.audit(model)
+    assert {"low-precision-attention", "attention-mask-overflow"} <= before.codes()
+    assert kmp.keep_float32(model, keras.layers.MultiHeadAttention)[0] == "bad_mha"
+    report = kmp.audit(model)
+    assert report.ok and "policy-mismatch" not in report.codes(), str(report)
+    # A custom layer in float32 between 16-bit ones: its cost, as information only.
+    assert [(f.code, f.severity) for f in report.findings] == [("float32-large-layer", "info")]
+    rows = {r.name: r for r in report.rows}
+    assert (rows["bad_mha"].compute_dtype, rows["bad_mha"].output_dtype) == ("float32", "float32")
+    assert rows["bad_mha/softmax"].compute_dtype == "float32"
+
+
+def test_large_vocabulary_head_kept_in_float32():
+    kmp.enable("mixed_bfloat16", hardware=GPU_HW)
+    inp = keras.Input((8,))
+    model = keras.Model(inp, keras.layers.Dense(3000, name="logits")(inp))
+    assert "large-vocab-16bit" in kmp.audit(model).codes()
+    assert kmp.keep_float32(model, "logits") == ["logits"]
+    report = kmp.audit(model)
+    assert report.ok and "large-vocab-16bit" not in report.codes(), str(report)
+    assert report.findings == ()
+
+
+def test_large_layer_kept_in_float32_is_information():
+    kmp.enable("mixed_bfloat16", hardware=GPU_HW)
+
+    def build():
+        inp = keras.Input((512,))
+        x = keras.layers.Dense(512, name="big")(inp)
+        return keras.Model(inp, kmp.layers.Float32Output()(keras.layers.Dense(2)(x)))
+
+    model = build()
+    kmp.keep_float32(model, "big")
+    [found] = kmp.audit(model).findings
+    assert (found.code, found.layer, found.severity) == ("float32-large-layer", "big", "info")
+    assert "kmp.keep_float32" in found.message
+
+
+def test_rules_for_kept_layers():
+    from kmp.auditing.report import LayerFacts
+    from kmp.auditing.rules import AuditContext, layer_findings
+
+    ctx = AuditContext("mixed_float16", 1000)
+    embedding = LayerFacts(
+        "emb",
+        "Embedding",
+        "float32",
+        "float32",
+        kinds=frozenset({"embedding", "keras"}),
+        consumer_computes=("float16",),
+    )
+    given = {(f.code, f.severity) for f in layer_findings(embedding, ctx)}
+    assert given == {("float32-embedding", "warning"), ("policy-mismatch", "warning")}
+    kept = dataclasses.replace(embedding, kept_float32=True)
+    assert [(f.code, f.severity) for f in layer_findings(kept, ctx)] == [
+        ("float32-embedding", "info")
+    ]
+
+
+def test_kept_layers_after_loading(tmp_path):
+    kmp.enable("mixed_float16", hardware=GPU_HW)
+    model = attention_model(keras.layers.MultiHeadAttention(2, 4, name="mha"))
+    kmp.keep_float32(model, "mha")
+    model.save(tmp_path / "kept.keras")
+    loaded = kmp.load_model(tmp_path / "kept.keras")
+    assert loaded.get_layer("mha").compute_dtype == "float32"
+    # Loaded, its float32 layers read as given dtype="float32": one warning, on the layer
+    # itself (not on each of its sublayers, which only follow it).
+    mismatch = [f.layer for f in kmp.audit(loaded).findings if f.code == "policy-mismatch"]
+    assert mismatch == ["mha"]
+    assert kmp.keep_float32(loaded, "mha") == []  # nothing to change: marked as kept again
+    assert kmp.audit(loaded).findings == ()
 
 
 def test_rules_are_pure_functions_of_facts():

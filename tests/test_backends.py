@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE_TESTS = ["tests/test_policy.py", "tests/test_layers.py", "tests/test_auditing.py"]
+CORE_TESTS = [
+    "tests/test_policy.py",
+    "tests/test_layers.py",
+    "tests/test_float32_layers.py",
+    "tests/test_auditing.py",
+    "tests/test_probing.py",
+]
 
 
 @pytest.mark.skipif(

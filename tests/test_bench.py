@@ -531,6 +531,20 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
 
 
 @pytest.mark.slow
+def test_probe_bench_quick_times_both_backends(tmp_path):
+    _run(
+        [sys.executable, str(BENCH / "probe.py"), "--quick"],
+        env={"KMP_BENCH_RESULTS": str(tmp_path)},
+    )
+    result = json.loads((tmp_path / "probe_quick.json").read_text())
+    assert [r["backend"] for r in result["runs"]] == ["tensorflow", "jax"]
+    for run in result["runs"]:
+        assert run["train_step_s"] > 0 and run["probe_s"] > 0 and run["finite_values"]
+        assert run["layers_probed"] >= 20 and run["recommended_loss_scale"] >= 1
+    assert "| tensorflow |" in (tmp_path / "probe_quick.md").read_text()
+
+
+@pytest.mark.slow
 def test_gpu_resnet50_quick_runs_on_jax_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     _run(

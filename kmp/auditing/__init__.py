@@ -25,13 +25,16 @@ low-precision-attention  warning   attention scores/softmax computed in float16
                          / info    (info under bfloat16, or when only the scores
                                    are 16-bit and the softmax is float32)
 float32-embedding        warning   an embedding outputs float32 into 16-bit layers
+                         / info    (info when kept with ``kmp.keep_float32``)
 float32-head-matmul      warning   a tied ReversibleEmbedding head (KerasHub LMs) runs its
                                    vocabulary matmul in float32 (Keras upcasts)
 policy-mismatch          warning   a layer's dtype policy differs from the global one
+                                   (not for a layer kept with ``kmp.keep_float32``)
 float32-large-layer      warning   a layer computing in float32 in a 16-bit context
                          / info    (mixed policy or 16-bit neighbours): correct, but it
                                    costs speed; warning when large, info for a small
-                                   custom layer between 16-bit layers
+                                   custom layer between 16-bit layers or a layer kept
+                                   with ``kmp.keep_float32``
 not-checked              info      something the audit could not read or measure
                                    (unknown activation, probe that could not run,
                                    outputs of a subclassed model)

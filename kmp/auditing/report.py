@@ -51,6 +51,7 @@ class LayerFacts:
         softmax_computes: The compute dtypes of the Softmax layers inside it.
         in_float32_parent: An enclosing layer already computes in float32.
         parent_policy: The policy of the layer it sits in (None at a model's level).
+        kept_float32: :func:`kmp.keep_float32` kept it (or a layer around it) in float32.
         norm_probe: The measured normalisation check, for norms computing in 16 bits.
         mask_probe: The measured attention-mask check, for attention computing in 16 bits.
         problem: Why the layer could not be inspected, if it could not.
@@ -70,6 +71,7 @@ class LayerFacts:
     softmax_computes: tuple[str, ...] = ()
     in_float32_parent: bool = False
     parent_policy: str | None = None
+    kept_float32: bool = False
     norm_probe: Measurement | None = None
     mask_probe: Measurement | None = None
     problem: str | None = None

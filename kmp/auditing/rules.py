@@ -150,7 +150,9 @@ def _attention(f: LayerFacts) -> list[Finding]:
         advice = (
             "float16 overflows past 65504, which large logits reach: keep the softmax in "
             "float32 (a Softmax(dtype='float32') sublayer), scale queries before the "
-            "product, or train under mixed_bfloat16."
+            "product, or train under mixed_bfloat16. Whether it does on your data is a "
+            f"measurement: kmp.probe(model, x, y) on a real batch, then "
+            f"kmp.keep_float32(model, *report.keep_float32) ('{f.path}' by hand)."
         )
     else:
         advice = "bfloat16 keeps float32's range, so this only costs a little precision."
@@ -172,7 +174,7 @@ def _embedding(f: LayerFacts) -> list[Finding]:
         return []
     return [
         Finding(
-            "warning",
+            "info" if f.kept_float32 else "warning",
             "float32-embedding",
             f.path,
             f"this embedding outputs float32 into layers computing in {', '.join(low)}: each "
@@ -200,24 +202,32 @@ def _float32_layer(f: LayerFacts, ctx: AuditContext) -> list[Finding]:
         if low_neighbours
         else "under a mixed policy"
     )
+    cost = (
+        "this layer does not get the mixed-precision speed-up and its inputs and outputs are cast."
+    )
+    if f.kept_float32:  # chosen with kmp.keep_float32: its cost, for information
+        advice = "It was kept in float32 with kmp.keep_float32, on purpose."
+    else:
+        advice = (
+            "Keep only the output activation in float32 (Float32Output), or build it under "
+            "the mixed policy."
+        )
     return [
         Finding(
-            "warning" if large else "info",
+            "warning" if large and not f.kept_float32 else "info",
             "float32-large-layer",
             f.path,
             f"{f.params:,} parameters ({share:.0%} of the model) computed in float32 {where}: "
-            "this layer does not get the mixed-precision speed-up and its inputs and outputs "
-            "are cast. Keep only the output activation in float32 (Float32Output), or build "
-            "it under the mixed policy.",
+            f"{cost} {advice}",
         )
     ]
 
 
 def _policy(f: LayerFacts, ctx: AuditContext) -> list[Finding]:
-    if f.policy in (ctx.global_policy, UNKNOWN) or "head" in f.kinds:
-        return []
-    if f.parent_policy is not None and f.parent_policy == ctx.global_policy:
-        return []  # a sublayer's dtype chosen by the author of the layer it sits in
+    if f.policy in (ctx.global_policy, UNKNOWN) or "head" in f.kinds or f.kept_float32:
+        return []  # a kmp.keep_float32 layer differs on purpose
+    if f.parent_policy is not None and f.parent_policy in (ctx.global_policy, f.policy):
+        return []  # chosen by the author of the layer it sits in, or that layer's (told there)
     return [
         Finding(
             "warning",

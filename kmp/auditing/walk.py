@@ -17,6 +17,7 @@ import keras
 
 from kmp.auditing.probe import Prober
 from kmp.auditing.report import UNKNOWN, LayerFacts, LayerRow
+from kmp.float32_layers import KEPT_MARK
 from kmp.layers import Float32Output, _activation_name
 
 __all__ = ["Visit", "layer_facts", "layer_row", "model_output_layers", "walk"]
@@ -210,6 +211,7 @@ def layer_facts(
         softmax_computes=softmaxes,
         in_float32_parent=any(_compute(p) == "float32" for p in v.parents),
         parent_policy=str(_safe(lambda: v.parents[-1].dtype_policy.name)) if v.parents else None,
+        kept_float32=compute == "float32" and getattr(layer, KEPT_MARK, False) is True,
         problem=None if compute != UNKNOWN else "its compute dtype cannot be read",
     )
     inside_attention = any("attention" in _kinds(p, None) for p in v.parents)

@@ -1,0 +1,137 @@
+"""Keeping chosen layers of a model in float32: :func:`keep_float32`, and the walk it uses.
+
+Under a mixed policy every layer computes in 16 bits. A layer whose values overflow
+float16, or whose precision matters (what ``kmp.probe`` measures and ``kmp.audit``
+suspects), can be moved back to float32 in place, with everything inside it, on any built
+model: Sequential, Functional, subclassed or KerasHub. :func:`walk_layers` is the walk and
+the naming that ``keep_float32`` and ``kmp.probe`` share.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import keras
+
+from kmp.layers import _LOW_FLOATS
+
+__all__ = ["KEPT_MARK", "keep_float32", "walk_layers"]
+
+KEPT_MARK = "_kmp_keep_float32"  # True on the layers keep_float32 kept; the audit reads it
+
+
+def walk_layers(root: Any) -> list[tuple[Any, str, str]]:
+    """Each layer under ``root`` once, parents first: (layer, audit path, name to show).
+
+    The name to show is what :func:`keep_float32` returns and ``kmp.probe`` reports.
+    """
+    seen, found = {id(root)}, []
+
+    def visit(container: Any, prefix: str, shown: str) -> None:
+        subs = list(container.layers) if isinstance(container, keras.Model) else []
+        for x in subs + list(container._flatten_layers(include_self=False, recursive=False)):
+            if id(x) not in seen and not isinstance(x, keras.layers.InputLayer):
+                seen.add(id(x))
+                found.append((x, prefix + x.name, x.path or shown + x.name))
+                visit(x, f"{prefix}{x.name}/", f"{found[-1][2]}/")
+
+    visit(root, "", "")
+    return found
+
+
+def _matches(selector: str | type, layer: Any, path: str) -> bool:
+    if isinstance(selector, type):
+        return isinstance(layer, selector)
+    keys = (layer.name, layer.path or layer.name, path, type(layer).__name__)
+    return any(k == selector or fnmatch.fnmatchcase(k, selector) for k in keys)
+
+
+def _float32_policy(layer: Any) -> Any:
+    """The policy moving ``layer`` to float32 (quantization kept); None when it is not 16-bit."""
+    if layer.compute_dtype not in _LOW_FLOATS:
+        return None
+    mode = layer.quantization_mode
+    return keras.dtype_policies.get(f"{mode}_from_float32" if mode else "float32")
+
+
+def _forget_old_dtypes(models: list) -> None:
+    """Drop traced train/predict functions; update the dtypes Functional graphs recorded."""
+    from keras.src.backend import compute_output_spec
+
+    for model in (m for m in models if isinstance(m, keras.Model)):
+        model.train_function = model.test_function = model.predict_function = None
+        nodes = getattr(getattr(model, "_functional", None) or model, "_nodes_by_depth", {})
+        try:  # each node traced again on placeholders: no node is added
+            for n in [x for depth in sorted(nodes, reverse=True) for x in nodes[depth]]:
+                if not n.is_input and n.operation is not None:
+                    spec = compute_output_spec(n.operation, *n.arguments.args, **n.arguments.kwargs)
+                    for tensor, new in zip(n.outputs, keras.tree.flatten(spec), strict=True):
+                        tensor._dtype = keras.backend.standardize_dtype(new.dtype)
+        except Exception:  # this graph keeps its old dtypes: call() is right anyway
+            continue
+
+
+def keep_float32(model: keras.Model, *selectors: str | type) -> list[str]:
+    """Make the selected layers of a built model, sublayers included, compute in float32.
+
+    In place: each matched layer and every layer inside it (a ``MultiHeadAttention``'s
+    projections and softmax) computing in float16/bfloat16 gets the ``"float32"`` policy
+    (quantized: its mode from float32); a tied ``ReversibleEmbedding``'s 16-bit
+    ``reverse_dtype`` becomes float32. ``kmp.audit`` reports their cost as info only. Saved,
+    a Sequential or Functional model keeps them (each layer's config); a subclassed or
+    KerasHub one does not: call this again after loading (the audit's mark is not saved).
+
+    Args:
+        model: A built Keras model (Sequential, Functional, subclassed, KerasHub) or layer.
+        *selectors: Layer classes (``isinstance``), or strings matched, exactly or as
+            ``fnmatch`` patterns, against each layer's name, path (``layer.path`` or as
+            ``kmp.audit`` shows it) and class name: ``"block*_attention"``, ``"Softmax"``.
+
+    Returns:
+        The paths (``layer.path``, else the parent's and the name) of the layers changed,
+        in walk order; layers already computing in float32 are not listed.
+
+    Raises:
+        TypeError: ``model`` is not a Keras layer, or a selector no string or layer class.
+        ValueError: An unbuilt model, or a selector matching no layer (nothing changes).
+            No selector at all changes nothing and returns ``[]``.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"keep_float32 expects a Keras model, got {type(model).__name__}.")
+    for s in selectors:
+        if not isinstance(s, str) and not (isinstance(s, type) and issubclass(s, keras.Layer)):
+            raise TypeError(
+                f"keep_float32 takes layer names, paths, glob patterns or Keras layer classes, "
+                f"got {s!r} (a list goes as separate arguments: keep_float32(model, *names))."
+            )
+    if not selectors:  # kmp.keep_float32(model, *report.keep_float32) with nothing to keep
+        return []
+    if not model.built:
+        raise ValueError(f"{model.name!r} is not built: call it on a batch or build it first.")
+    visits = walk_layers(model)
+    chosen: set[int] = set()
+    for s in selectors:
+        hits = [x for x, path, _ in visits if _matches(s, x, path)]
+        if not hits:
+            raise ValueError(
+                f"{getattr(s, '__name__', s)!r} matches no layer of {model.name!r} (names, paths "
+                "and class names; glob patterns such as 'block*_attention' are accepted). Its "
+                f"layers: {', '.join(v[2] for v in visits[:10]) or 'none'}"
+                f"{f', ... ({len(visits)} in all)' * (len(visits) > 10)}."
+            )
+        chosen.update(id(y) for x in hits for y in x._flatten_layers(include_self=True))
+    # Every new policy is decided before anything changes.
+    plan = [(x, shown, _float32_policy(x)) for x, _, shown in visits if id(x) in chosen]
+    changed = []
+    for layer, shown, policy in plan:
+        reverse = getattr(layer, "reverse_dtype", None) in _LOW_FLOATS
+        if policy is not None:
+            layer.dtype_policy = policy
+        if reverse:
+            layer.reverse_dtype = "float32"
+        changed += [shown] if policy is not None or reverse else []
+        setattr(layer, KEPT_MARK, layer.compute_dtype == "float32")
+    if changed:  # ``model.outputs``, ``layer.output`` and fit's traced step say 16 bits
+        _forget_old_dtypes([model, *(v[0] for v in visits)])
+    return changed
