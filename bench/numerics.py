@@ -25,6 +25,7 @@ CPU they ran on.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -60,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--np", type=int, default=2, help="ranks per job")
+    p.add_argument(
+        "--report",
+        metavar="NUMERICS_JSON",
+        type=Path,
+        help="measure nothing: derive the table, targets, plot and .md again from the rows of "
+        "a results file (after a change of the targets' wording) and rewrite them",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -348,25 +356,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(os.environ.get("KMP_BENCH_RESULTS", RESULTS))
     name = "numerics_quick" if args.quick else "numerics"
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="kmp-numerics-") as tmp:
-        for workload in args.workloads:
-            for seed in args.seeds:
-                for policy in args.policies:  # the policies side by side, seed by seed
-                    rows.append(run_one(workload, policy, seed, args, Path(tmp)))
+    if args.report is not None:  # the measured rows as they were, everything derived anew
+        result = json.loads(args.report.read_text())
+        out_dir, name, rows = args.report.parent, args.report.stem, result["rows"]
+    else:
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="kmp-numerics-") as tmp:
+            for workload in args.workloads:
+                for seed in args.seeds:
+                    for policy in args.policies:  # the policies side by side, seed by seed
+                        rows.append(run_one(workload, policy, seed, args, Path(tmp)))
+        result = {
+            "quick": args.quick,
+            "ranks": args.np,
+            "seeds": args.seeds,
+            "machine": machine(),
+            "rows": rows,
+        }
     table = aggregate(rows)
-    result = {
-        "quick": args.quick,
-        "ranks": args.np,
-        "seeds": args.seeds,
-        "machine": machine(),
-        "rows": rows,
-        "table": table,
-        "targets": targets(table, rows),
-    }
+    result.update(table=table, targets=targets(table, rows))
     out_dir.mkdir(parents=True, exist_ok=True)
     png = plot(rows, out_dir / f"{name}.png")
     result["plot"] = png.name if png else None
+    os.environ["KMP_BENCH_RESULTS"] = str(out_dir)
     write_results(name, result, markdown(result))
     print(markdown(result))
     return 0

@@ -7,7 +7,7 @@ script turns each source into a ``.ipynb`` next to this file, executes it top to
 bottom in a Jupyter kernel of this Python (the project's ``.venv``) and saves it
 with its outputs, plots included::
 
-    .venv/bin/python notebooks/_build.py                 # all four
+    .venv/bin/python notebooks/_build.py                 # all of them
     .venv/bin/python notebooks/_build.py 02_loss_scaling # one
 
 Edit the sources, not the ``.ipynb`` files: a rebuild overwrites them.

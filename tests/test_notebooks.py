@@ -21,8 +21,14 @@ nbclient = pytest.importorskip("nbclient")
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS_DIR = ROOT / "notebooks"
-NOTEBOOKS = ("01_quickstart", "02_loss_scaling", "03_distributed_horovod", "04_migrating")
-WITH_PLOTS = ("01_quickstart", "02_loss_scaling", "03_distributed_horovod")
+NOTEBOOKS = (
+    "01_quickstart",
+    "02_loss_scaling",
+    "03_distributed_horovod",
+    "04_migrating",
+    "05_transformers",
+)
+WITH_PLOTS = ("01_quickstart", "02_loss_scaling", "03_distributed_horovod", "05_transformers")
 CELL_TIMEOUT_S = 600
 
 _KERNEL_CHECK = "import sys; print('KMP-KERNEL-PREFIX=' + sys.prefix)"
@@ -149,7 +155,9 @@ def _check_executed(name: str, nb) -> None:
 
 
 @pytest.mark.notebook
-@pytest.mark.parametrize("name", ["01_quickstart", "02_loss_scaling", "04_migrating"])
+@pytest.mark.parametrize(
+    "name", ["01_quickstart", "02_loss_scaling", "04_migrating", "05_transformers"]
+)
 def test_notebook_runs(name, tmp_path):
     _check_executed(name, _execute(name, tmp_path))
 
