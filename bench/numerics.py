@@ -53,6 +53,21 @@ WORKLOADS = {
 MAX_POINTS = 0.5  # accuracy: a mixed policy's mean within 0.5 points of float32's
 MAX_LOSS_PERCENT = 1.0  # the GPT: validation loss within 1 % of float32's
 PAPER_MNIST1D = 94.0  # Greydanus (2020), the CNN's test accuracy in percent
+# The targets against float32, per workload: (label, what is compared, the difference's
+# key in the table, its bound, its unit, how the measured figure reads).
+_POINTS = "{d:+.2f} points ({mean:.2f} % vs {base:.2f} %, {n} seeds)"
+VS_FLOAT32 = {
+    "digits": ("digits CNN", "test accuracy", "delta_points", MAX_POINTS, "points", _POINTS),
+    "mnist1d": ("MNIST-1D CNN", "test accuracy", "delta_points", MAX_POINTS, "points", _POINTS),
+    "gpt": (
+        "GPT on text",
+        "validation loss",
+        "delta_percent",
+        MAX_LOSS_PERCENT,
+        "%",
+        "{d:+.2f} % ({mean:.4f} vs {base:.4f} nats/byte)",
+    ),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -186,34 +201,19 @@ def _target(name: str, goal: str, value, met, measured: str, why: str = "") -> d
 def targets(table: dict, rows: list[dict]) -> list[dict]:
     """Judge issue 24's targets on this run's figures (a target not measured: met None)."""
     out = []
-    labels = {"digits": "digits CNN", "mnist1d": "MNIST-1D CNN"}
-    for workload, label in labels.items():
+    for workload, (label, what, key, bound, unit, fmt) in VS_FLOAT32.items():
         for policy in POLICIES[1:]:
             fig = (table.get(workload) or {}).get(policy)
-            name = f"{label}, {policy} vs float32 test accuracy (mean of seeds)"
-            goal = f"within {MAX_POINTS} points"
-            if fig is None or "delta_points" not in fig:
+            name = f"{label}, {policy} vs float32 {what} (mean of seeds)"
+            goal = f"within {bound} {unit}"
+            if fig is None or key not in fig:
                 out.append(_target(name, goal, None, None, "not run"))
                 continue
-            d = fig["delta_points"]
+            d = fig[key]
             base = table[workload]["float32"]["mean"]
-            measured = f"{d:+.2f} points ({fig['mean']:.2f} % vs {base:.2f} %, "
-            measured += f"{len(fig['values'])} seeds)"
-            why = "" if abs(d) <= MAX_POINTS else _spread_note(table[workload], policy)
-            out.append(_target(name, goal, round(d, 3), abs(d) <= MAX_POINTS, measured, why))
-    for policy in POLICIES[1:]:
-        fig = (table.get("gpt") or {}).get(policy)
-        name = f"GPT on text, {policy} vs float32 validation loss (mean of seeds)"
-        goal = f"within {MAX_LOSS_PERCENT} %"
-        if fig is None or "delta_percent" not in fig:
-            out.append(_target(name, goal, None, None, "not run"))
-            continue
-        d = fig["delta_percent"]
-        measured = (
-            f"{d:+.2f} % ({fig['mean']:.4f} vs {table['gpt']['float32']['mean']:.4f} nats/byte)"
-        )
-        why = "" if abs(d) <= MAX_LOSS_PERCENT else _spread_note(table["gpt"], policy)
-        out.append(_target(name, goal, round(d, 3), abs(d) <= MAX_LOSS_PERCENT, measured, why))
+            measured = fmt.format(d=d, mean=fig["mean"], base=base, n=len(fig["values"]))
+            why = "" if abs(d) <= bound else _spread_note(table[workload], policy)
+            out.append(_target(name, goal, round(d, 3), abs(d) <= bound, measured, why))
     m1d = table.get("mnist1d") or {}
     name, goal = "MNIST-1D CNN test accuracy, every policy (mean of seeds)", f">= {PAPER_MNIST1D} %"
     if m1d:

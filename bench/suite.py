@@ -455,9 +455,8 @@ def judged_by_part(part: str):
             if target.passed is not None:
                 target.measured = f"{t['value']} ({t['measured']})"
             if target.passed is False:
-                target.why = (t.get("why") or f"see {part}.md and docs/performance.md.") + (
-                    _load_note(res) if part == "peers" else ""
-                )
+                why = t.get("why") or f"see {part}.md and docs/performance.md."
+                target.why = why + _load_note(res)
             out.append(target)
         return out
 

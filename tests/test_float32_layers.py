@@ -3,25 +3,11 @@
 import keras
 import numpy as np
 import pytest
+from test_layers import GPU_HW, sequential  # the same fixtures as kmp.layers' tests
 
 import kmp
 from kmp.float32_layers import walk_layers
-from kmp.hardware import GPU, Hardware
 from kmp.layers import Float32Output
-
-GPU_HW = Hardware(gpus=(GPU("v100", (7, 0)),))
-
-
-def sequential():
-    return keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(8, activation="relu"),
-            keras.layers.Dense(3, activation="softmax"),
-        ],
-        name="seq",
-    )
-
 
 ATTENTION = "block0_attention"
 ATTENTION_LAYERS = [

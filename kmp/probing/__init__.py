@@ -27,7 +27,7 @@ from typing import Any
 
 import keras
 
-from kmp.probing.record import BACKENDS, Pass, float32_pass, probed_layers
+from kmp.probing.record import BACKENDS, Pass, float32_pass
 from kmp.probing.report import LayerNumbers, ProbeReport, VariableNumbers
 from kmp.probing.stats import ValueStats, recommend_loss_scale
 
@@ -135,8 +135,7 @@ def probe(
 
 def _report(model: keras.Model, measured: Pass, min_scale: float, max_scale: float) -> ProbeReport:
     layers = []
-    walked = probed_layers(model)
-    for layer, name in walked:
+    for layer, name in measured.layers:
         outs = measured.outputs.get(id(layer))
         if not outs:
             continue
@@ -161,7 +160,7 @@ def _report(model: keras.Model, measured: Pass, min_scale: float, max_scale: flo
             )
         )
     owners = {}  # variable -> the innermost layer holding it (the walk goes parents first)
-    for layer, name in walked:
+    for layer, name in measured.layers:
         owners.update((id(v), name) for v in layer.trainable_weights)
     variables = []
     for var, grad in zip(model.trainable_variables, measured.variable_grads, strict=True):

@@ -40,6 +40,7 @@ class Pass:
         outputs: Per layer (by identity), the float outputs of each call, in call order.
         output_grads: The same for the gradients reaching those outputs (None: the output
             does not reach the loss).
+        layers: The walk the pass recorded, ``(layer, name)`` (see :func:`probed_layers`).
         variable_grads: Per trainable variable, its gradient (the touched rows of an
             embedding's sparse gradient only), None where it does not reach the loss.
     """
@@ -49,6 +50,7 @@ class Pass:
     outputs: dict[int, list[np.ndarray]]
     output_grads: dict[int, list[np.ndarray | None]]
     variable_grads: list[np.ndarray | None]
+    layers: list[tuple[keras.layers.Layer, str]] = dataclasses.field(default_factory=list)
 
 
 def probed_layers(model: keras.Model) -> list[tuple[keras.layers.Layer, str]]:
@@ -102,9 +104,10 @@ def _is_float_tensor(value: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _float32_and_recorded(model: keras.Model, recorder: _Recorder) -> Iterator[None]:
+def _float32_and_recorded(
+    model: keras.Model, layers: list[keras.layers.Layer], recorder: _Recorder
+) -> Iterator[None]:
     """Every layer in float32 with a recording ``call``; state and policies restored after."""
-    layers = [layer for layer, _ in probed_layers(model)]
     policies = [(layer, layer.dtype_policy) for layer in [model, *layers]]
     state = [(v, np.array(v.numpy(), copy=True)) for v in model.non_trainable_variables]
     wrapped = []
@@ -157,10 +160,12 @@ def float32_pass(model: keras.Model, x: Any, y: Any, loss_fn: Callable, sample_w
     """
     backend = keras.backend.backend()
     recorder = _Recorder()
-    with _float32_and_recorded(model, recorder):
-        if backend == "tensorflow":
-            return _tensorflow_pass(model, x, y, loss_fn, sample_weight, recorder)
-        return _jax_pass(model, x, y, loss_fn, sample_weight, recorder)
+    walked = probed_layers(model)
+    with _float32_and_recorded(model, [layer for layer, _ in walked], recorder):
+        run = _tensorflow_pass if backend == "tensorflow" else _jax_pass
+        measured = run(model, x, y, loss_fn, sample_weight, recorder)
+    measured.layers = walked
+    return measured
 
 
 def _tensorflow_pass(model, x, y, loss_fn, sample_weight, recorder: _Recorder) -> Pass:
