@@ -34,6 +34,10 @@ free block when it is under twice the size asked for, so a 16-bit tensor placed
 in a block a float32 run left behind would count double). Writes
 ``bench/results/memory.json`` and ``memory.md`` (``memory_quick.*`` with
 ``--quick``).
+
+``--states`` measures instead what weights and optimizer state hold under float32,
+mixed_bfloat16 and bfloat16 with each ``master_weights`` mode (``bench/_states.py``),
+and writes ``memory_states.*``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import warnings
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _states
 import models
 import numpy as np
 from _common import machine, markdown_table, write_results
@@ -218,8 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="measured steps (largest counts)")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--quick", action="store_true", help="batch 4, 1 measured step")
+    parser.add_argument(
+        "--states",
+        action="store_true",
+        help="weights + optimizer state per master-weights configuration instead",
+    )
     parser.add_argument("--child-out", help=argparse.SUPPRESS)  # internal: one policy -> JSON
     args = parser.parse_args(argv)
+    if args.states:
+        return states_main(args, argv if argv is not None else sys.argv[1:])
     if args.quick:
         args.batch, args.steps = 4, 1
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -294,6 +306,31 @@ def main(argv: list[str] | None = None) -> int:
         "(weight gradients, fixed-size convolution workspaces)."
     )
     path = write_results("memory" + ("_quick" if args.quick else ""), results, md)
+    print(md)
+    print(f"\nwritten: {path}")
+    return 0
+
+
+def states_main(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--states``: every configuration of :mod:`_states` in a child process of its own."""
+    if args.child_out:
+        figures = _states.measure(args.policies, args.quick, args.steps, _tf_memory())
+        with open(args.child_out, "w") as f:
+            json.dump(figures, f)
+        return 0
+    import keras
+
+    figures = {c: _measure_in_child(c, argv) for c in _states.CONFIGS}
+    checks = _states.targets(figures)
+    md = _states.markdown(figures, checks, args.quick)
+    results = {
+        "machine": machine(),
+        "backend": keras.backend.backend(),
+        "quick": args.quick,
+        "configs": figures,
+        "targets": checks,
+    }
+    path = write_results("memory_states" + ("_quick" if args.quick else ""), results, md)
     print(md)
     print(f"\nwritten: {path}")
     return 0

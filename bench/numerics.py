@@ -92,11 +92,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.policies, args.workloads = "0", "float32,mixed_float16", "gpt"
+    return split_lists(p, args, POLICIES)
+
+
+def split_lists(
+    p: argparse.ArgumentParser, args: argparse.Namespace, policies
+) -> argparse.Namespace:
+    """Turn the comma-separated options into lists, each checked against its choices."""
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
     args.workloads = [s.strip() for s in args.workloads.split(",") if s.strip()]
     for name, chosen, valid in (
-        ("--policies", args.policies, POLICIES),
+        ("--policies", args.policies, tuple(policies)),
         ("--workloads", args.workloads, tuple(WORKLOADS)),
     ):
         bad = [c for c in chosen if c not in valid]
@@ -111,9 +118,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train_args(workload: str, policy: str, seed: int, quick: bool) -> list[str]:
-    """The ``launch/train.py`` arguments of one run."""
+    """The ``launch/train.py`` arguments of one run.
+
+    ``policy`` is a policy name, or ``POLICY+MODE`` for a ``--master-weights`` mode
+    (``bfloat16+kahan``: bench/master_weights.py).
+    """
     model, _, extra, quick_extra = WORKLOADS[workload]
+    policy, _, mode = policy.partition("+")
     args = ["--model", model, "--policy", policy, "--seed", str(seed), "--verbose", "2"]
+    args += ["--master-weights", mode] if mode else []
     return args + list(quick_extra if quick else extra)
 
 
@@ -138,6 +151,7 @@ def run_one(workload: str, policy: str, seed: int, args: argparse.Namespace, tmp
         "skipped_steps": s["skipped_steps"],
         "loss_scale_end": s["loss_scale_end"],
         "weights_max_diff": s["weights_max_diff"],
+        "state_bytes_per_param": s.get("state_bytes_per_param"),
         "steps": s["iterations_end"] - s["iterations_start"],
         "speed": s["tokens_per_sec"] or s["images_per_sec"],
         "speed_unit": "tokens/s" if s["tokens_per_sec"] else "examples/s",
@@ -224,19 +238,21 @@ def targets(table: dict, rows: list[dict]) -> list[dict]:
         out.append(_target(name, goal, round(low, 3), low >= PAPER_MNIST1D, measured, why))
     else:
         out.append(_target(name, goal, None, None, "not run"))
-    diffs = [r["weights_max_diff"] for r in rows]
-    worst_diff = max(diffs, default=None)
-    out.append(
-        _target(
-            "ranks' weights bit-identical after every run",
-            "max diff 0",
-            worst_diff,
-            None if worst_diff is None else worst_diff == 0,
-            f"largest difference {worst_diff} over {len(rows)} runs",
-            "" if not worst_diff else "some rank ended with different weights: a bug; see the rows",
-        )
-    )
+    out.append(ranks_target(rows, "ranks' weights bit-identical after every run"))
     return out
+
+
+def ranks_target(rows: list[dict], name: str) -> dict:
+    """The ranks ended bit-identical in every one of ``rows``."""
+    worst = max((r["weights_max_diff"] for r in rows), default=None)
+    return _target(
+        name,
+        "max diff 0",
+        worst,
+        None if worst is None else worst == 0,
+        f"largest difference {worst} over {len(rows)} runs",
+        "" if not worst else "some rank ended with different weights: a bug; see the rows",
+    )
 
 
 def _spread_note(fig_by_policy: dict, policy: str) -> str:
@@ -259,50 +275,35 @@ def _mnist1d_note(m1d: dict) -> str:
     return f"{worst} reaches {m1d[worst]['mean']:.2f} % where float32 reaches 94 % or more."
 
 
-def markdown(result: dict) -> str:
-    from _common import markdown_table
-
+def heading(result: dict, title: str, note: str = "") -> list[str]:
+    """The title and the line that says where and how the table was measured."""
     m = result["machine"]
-    lines = [
-        "# Numerics: mixed precision against float32 on real workloads",
+    return [
+        f"# {title}",
         "",
         f"{result['ranks']} ranks per job, seeds {result['seeds']}, on {m.get('cpu')} "
         f"({m.get('cores')} cores), {m.get('date')}. Mean +- sample standard deviation over "
-        "the seeds; accuracy in percent, the GPT's validation loss in nats per byte.",
+        f"the seeds; accuracy in percent, the GPT's validation loss in nats per byte.{note}",
         "",
     ]
-    rows = []
-    for workload, by_policy in result["table"].items():
-        for policy, f in by_policy.items():
-            delta = (
-                f"{f['delta_points']:+.2f} points"
-                if "delta_points" in f
-                else (f"{f['delta_percent']:+.2f} %" if "delta_percent" in f else "-")
-            )
-            rows.append([
-                workload, policy, f"{f['mean']:.4g} +- {f['std']:.2g}",
-                f"{f['min']:.4g} - {f['max']:.4g}", delta,
-                ", ".join(str(s) for s in f["skipped_steps"]),
-                ", ".join(f"{s:g}" if s is not None else "-" for s in f["loss_scale_end"]),
-                f"{f['weights_max_diff']:g}", f"{f['speed']:.0f} {f['speed_unit']}",
-            ])  # fmt: skip
-    lines.append(
-        markdown_table(
-            [
-                "workload",
-                "policy",
-                "metric",
-                "range",
-                "vs float32",
-                "skipped steps",
-                "final loss scale",
-                "ranks' max diff",
-                "speed",
-            ],
-            rows,
-        )
+
+
+def first_cells(workload: str, policy: str, f: dict) -> list[str]:
+    """A table row's workload, policy, metric, range and difference from float32."""
+    delta = (
+        f"{f['delta_points']:+.2f} points"
+        if "delta_points" in f
+        else (f"{f['delta_percent']:+.2f} %" if "delta_percent" in f else "-")
     )
-    lines += ["", "## Targets", ""]
+    return [workload, policy, f"{f['mean']:.4g} +- {f['std']:.2g}",
+            f"{f['min']:.4g} - {f['max']:.4g}", delta]  # fmt: skip
+
+
+def targets_section(result: dict, plot_alt: str) -> list[str]:
+    """The targets table and the plot, as Markdown lines."""
+    from _common import markdown_table
+
+    lines = ["", "## Targets", ""]
     lines.append(
         markdown_table(
             ["target", "goal", "measured", "result", "why"],
@@ -313,7 +314,27 @@ def markdown(result: dict) -> str:
         )
     )
     if result.get("plot"):
-        lines += ["", f"![GPT validation loss per policy]({result['plot']})"]
+        lines += ["", f"![{plot_alt}]({result['plot']})"]
+    return lines
+
+
+def markdown(result: dict) -> str:
+    from _common import markdown_table
+
+    lines = heading(result, "Numerics: mixed precision against float32 on real workloads")
+    rows = []
+    for workload, by_policy in result["table"].items():
+        for policy, f in by_policy.items():
+            rows.append([
+                *first_cells(workload, policy, f),
+                ", ".join(str(s) for s in f["skipped_steps"]),
+                ", ".join(f"{s:g}" if s is not None else "-" for s in f["loss_scale_end"]),
+                f"{f['weights_max_diff']:g}", f"{f['speed']:.0f} {f['speed_unit']}",
+            ])  # fmt: skip
+    headers = ["workload", "policy", "metric", "range", "vs float32", "skipped steps"]
+    headers += ["final loss scale", "ranks' max diff", "speed"]
+    lines.append(markdown_table(headers, rows))
+    lines += targets_section(result, "GPT validation loss per policy")
     return "\n".join(lines)
 
 
@@ -321,7 +342,9 @@ def _result(met) -> str:
     return "not run" if met is None else ("met" if met else "missed")
 
 
-def plot(rows: list[dict], path: Path) -> Path | None:
+def plot(
+    rows: list[dict], path: Path, title: str = "Byte-level GPT on the Python standard library"
+) -> Path | None:
     """The GPT's validation loss against steps, one colour per policy, one line per seed."""
     curves = [r for r in rows if r["workload"] == "gpt" and r["curve"]]
     if not curves:
@@ -332,7 +355,8 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    colours = dict(zip(POLICIES, ("tab:blue", "tab:orange", "tab:green"), strict=True))
+    labels = dict.fromkeys([*POLICIES, *(r["policy"] for r in curves)])  # numerics' first
+    colours = {p: f"C{i}" for i, p in enumerate(labels)}
     seen = set()
     for r in curves:
         steps, values = zip(*r["curve"], strict=True)
@@ -341,7 +365,7 @@ def plot(rows: list[dict], path: Path) -> Path | None:
         ax.plot(steps, values, color=colours[r["policy"]], alpha=0.75, label=label, marker=".")
     ax.set_xlabel("training step (2 ranks)")
     ax.set_ylabel("validation loss, nats per byte")
-    ax.set_title("Byte-level GPT on the Python standard library")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -350,38 +374,52 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    from _common import RESULTS, machine, write_results
+def measure(args: argparse.Namespace, name: str, extra_rows=None) -> tuple[dict, Path, str]:
+    """Run every job of ``args`` (or read ``--report``'s rows).
 
-    args = parse_args(argv)
+    ``extra_rows(rows)`` adds rows measured elsewhere (not with ``--report``). Returns the
+    result, its folder and its file name.
+    """
+    from _common import RESULTS, machine
+
     out_dir = Path(os.environ.get("KMP_BENCH_RESULTS", RESULTS))
-    name = "numerics_quick" if args.quick else "numerics"
+    name = f"{name}_quick" if args.quick else name
     if args.report is not None:  # the measured rows as they were, everything derived anew
         result = json.loads(args.report.read_text())
-        out_dir, name, rows = args.report.parent, args.report.stem, result["rows"]
-    else:
-        rows = []
-        with tempfile.TemporaryDirectory(prefix="kmp-numerics-") as tmp:
-            for workload in args.workloads:
-                for seed in args.seeds:
-                    for policy in args.policies:  # the policies side by side, seed by seed
-                        rows.append(run_one(workload, policy, seed, args, Path(tmp)))
-        result = {
-            "quick": args.quick,
-            "ranks": args.np,
-            "seeds": args.seeds,
-            "machine": machine(),
-            "rows": rows,
-        }
+        return result, args.report.parent, args.report.stem
+    rows = []
+    with tempfile.TemporaryDirectory(prefix=f"kmp-{name}-") as tmp:
+        for workload in args.workloads:
+            for seed in args.seeds:
+                for policy in args.policies:  # the policies side by side, seed by seed
+                    rows.append(run_one(workload, policy, seed, args, Path(tmp)))
+    if extra_rows is not None:
+        rows += extra_rows(rows)
+    result = {"quick": args.quick, "ranks": args.np, "seeds": args.seeds, "machine": machine()}
+    return {**result, "rows": rows}, out_dir, name
+
+
+def finish(result: dict, out_dir: Path, name: str, judge, render, plot_title: str) -> int:
+    """Derive the table and targets from the rows, plot, write and print the results."""
+    from _common import write_results
+
+    rows = result["rows"]
     table = aggregate(rows)
-    result.update(table=table, targets=targets(table, rows))
+    result.update(table=table, targets=judge(table, rows))
     out_dir.mkdir(parents=True, exist_ok=True)
-    png = plot(rows, out_dir / f"{name}.png")
+    png = plot(rows, out_dir / f"{name}.png", plot_title)
     result["plot"] = png.name if png else None
     os.environ["KMP_BENCH_RESULTS"] = str(out_dir)
-    write_results(name, result, markdown(result))
-    print(markdown(result))
+    write_results(name, result, render(result))
+    print(render(result))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result, out_dir, name = measure(args, "numerics")
+    title = "Byte-level GPT on the Python standard library"
+    return finish(result, out_dir, name, targets, markdown, title)
 
 
 if __name__ == "__main__":

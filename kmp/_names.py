@@ -1,7 +1,7 @@
 """kmp's vocabularies: every accepted name, and its canonical form, in one place.
 
-Policy names, loss-scale settings, gradient compressions, sparse-gradient
-strategies and reduction ops are
+Policy names, loss-scale settings, master-weight modes, gradient compressions,
+sparse-gradient strategies and reduction ops are
 read here by every path (Keras 3, the JAX engine, TF1 graphs, tf-keras), so a
 name accepted by one is accepted by all, and every error lists the same
 choices. This module imports nothing from kmp and nothing heavy.
@@ -15,6 +15,7 @@ __all__ = [
     "COMPRESSIONS",
     "LOSS_SCALE_KINDS",
     "LOSS_SCALE_MODES",
+    "MASTER_WEIGHTS",
     "MIXED_POLICIES",
     "POLICY_NAMES",
     "PURE_POLICIES",
@@ -29,9 +30,12 @@ __all__ = [
 
 # ----------------------------------------------------------------------- policies
 
-# What kmp.enable() takes: "auto" plus the Keras mixed and full-precision policies.
-VALID_POLICIES: tuple[str, ...] = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
-# Also accepted by name, for users who know what they ask for (no float32 master weights).
+# What kmp.enable() takes: "auto", the Keras mixed and full-precision policies, and
+# "bfloat16" (bfloat16 weights too: half the memory of weights and optimizer states, with
+# the updates compensated by kmp.wrap_optimizer's ``master_weights``).
+VALID_POLICIES: tuple[str, ...] = ("auto", "mixed_float16", "mixed_bfloat16", "float32", "bfloat16")
+# The policies whose variables are 16-bit (no float32 master weights). "float16" is accepted by
+# name for users who know what they ask for; "bfloat16" is the supported one.
 PURE_POLICIES: tuple[str, ...] = ("float16", "bfloat16")
 # Every concrete policy name (what "auto" resolves to, and what tf-keras accepts).
 POLICY_NAMES: tuple[str, ...] = ("float32", "mixed_float16", "mixed_bfloat16", *PURE_POLICIES)
@@ -78,6 +82,16 @@ def compute_dtype_of(name: str) -> str:
 LOSS_SCALE_MODES: tuple[str, ...] = ("dynamic", "force_dynamic")
 # What a loss-scale setting resolves to once the policy is known.
 LOSS_SCALE_KINDS: tuple[str, ...] = ("none", "static", "dynamic")
+
+# ------------------------------------------------------------------ master weights
+
+# How an update reaches a 16-bit (float16/bfloat16) weight; kmp.master_weights holds the
+# rule. "auto": "kahan" for 16-bit weights, exact float32 for float32 ones. "float32": the
+# weights are float32 (a mixed policy); 16-bit weights are refused. "kahan": a 16-bit
+# compensation buffer per weight carries the update's lost low bits to the next step.
+# "stochastic": bfloat16 weights rounded stochastically (unbiased, no extra memory).
+# "none": plain round-to-nearest (small updates are lost).
+MASTER_WEIGHTS: tuple[str, ...] = ("auto", "float32", "kahan", "stochastic", "none")
 
 # -------------------------------------------------------------------- compression
 

@@ -257,6 +257,25 @@ def from_setting(loss_scale: Any = "dynamic", *, compute_dtype: str, **knobs: An
     return LossScale("static", **values)
 
 
+def rule_from_config(config: dict, *, compute_dtype: str) -> LossScale:
+    """The rule saved in an optimizer's config; the keys it read are removed from ``config``.
+
+    kmp saves the resolved rule (``"rule"``). Configs written by kmp 0.x before that
+    (``initial_scale``, ``growth_interval`` and ``resolved_mode`` keys) are decided as they
+    were then: ``resolved_mode`` names the mode, else ``compute_dtype`` decides.
+    """
+    rule = config.pop("rule", None)
+    legacy = {k: config.pop(k) for k in ("initial_scale", "growth_interval") if k in config}
+    mode = config.pop("resolved_mode", None)
+    if rule is not None:
+        return LossScale.from_config(rule)
+    if mode is not None:
+        compute_dtype = "float16" if mode == "dynamic" else "float32"
+    if mode == "static":  # the static value is the setting itself
+        legacy.pop("initial_scale", None)
+    return from_setting(config.get("loss_scale"), compute_dtype=compute_dtype, **legacy)
+
+
 def update(rule: LossScale, state: ScaleState, finite: Any, xp: Any = None) -> ScaleState:
     """Return the state after one step whose gradients were ``finite`` (or not).
 

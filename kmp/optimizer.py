@@ -34,6 +34,7 @@ from keras import ops
 
 from kmp import _checks, distributed
 from kmp import loss_scale as _ls
+from kmp import master_weights as _mw
 from kmp._legacy_keras import is_tf_keras_object
 from kmp._names import LOSS_SCALE_MODES, normalize_compression
 from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
@@ -58,6 +59,8 @@ DEFAULTS: dict[str, Any] = {
     "scale_lr": False,
     "bucket_bytes": DEFAULT_BUCKET_BYTES,
     "sparse_gradients": DEFAULT_SPARSE_GRADIENTS,
+    "master_weights": _mw.DEFAULT_MASTER_WEIGHTS,
+    "rounding_seed": 0,
 }
 
 
@@ -104,6 +107,12 @@ def _requested(given: dict[str, Any]) -> tuple[_ls.LossScale, dict[str, Any]]:
     settings["scale_lr"] = _checks.check_bool("scale_lr", settings["scale_lr"])
     settings["bucket_bytes"] = check_bucket_bytes(settings["bucket_bytes"])
     settings["sparse_gradients"] = check_sparse_gradients(settings["sparse_gradients"])
+    settings["master_weights"] = _mw.check_master_weights(settings["master_weights"])
+    settings["rounding_seed"] = _checks.check_int(
+        "rounding_seed", settings["rounding_seed"], minimum=0
+    )
+    # The global policy's weights must allow the mode (its layers' weights are checked at build).
+    _mw.update_mode(settings["master_weights"], keras.config.dtype_policy().variable_dtype)
     knobs = {k: given.get(k, NOT_GIVEN) for k in _ls.KNOBS}  # defaults: the rule's own
     rule = _ls.from_setting(
         settings["loss_scale"],
@@ -141,6 +150,8 @@ def wrap_optimizer(
     scale_lr: bool = NOT_GIVEN,
     bucket_bytes: int | None = NOT_GIVEN,
     sparse_gradients: str = NOT_GIVEN,
+    master_weights: str = NOT_GIVEN,
+    rounding_seed: int = NOT_GIVEN,
 ) -> keras.optimizers.Optimizer:
     """Return one Keras optimizer that scales the loss and averages gradients over ranks.
 
@@ -194,6 +205,19 @@ def wrap_optimizer(
             gathered row on its own, the dense one their sum). With
             ``backward_passes_per_step > 1`` the accumulated window is dense and
             travels dense. JAX gradients are dense: the setting changes nothing there.
+        master_weights: How updates reach 16-bit (bfloat16 or float16) weights, such as
+            those of ``kmp.enable("bfloat16")`` or a KerasHub model loaded with
+            ``dtype="bfloat16"`` (:mod:`kmp.master_weights`). ``"auto"`` (default):
+            ``"kahan"`` for 16-bit weights; float32 weights (every mixed policy) are
+            updated exactly as always. ``"kahan"``: a 16-bit compensation buffer per
+            weight carries what each rounding lost into the next update (2 bytes more
+            per weight). ``"stochastic"``: bfloat16 weights rounded up or down at random
+            without bias (no extra memory; the same bits on every rank). ``"none"``:
+            round to nearest (updates below half a bfloat16 step, about ``2**-9`` of the
+            weight, are lost). ``"float32"``: require float32 weights (an error for
+            16-bit ones). The optimizer's slots take the weights' dtype.
+        rounding_seed: The seed of the stochastic rounding (default 0): the same seed
+            and data give the same run.
 
     Returns:
         A :class:`DistributedLossScaleOptimizer` (a Keras ``LossScaleOptimizer``).
@@ -222,6 +246,8 @@ def wrap_optimizer(
             "scale_lr": scale_lr,
             "bucket_bytes": bucket_bytes,
             "sparse_gradients": sparse_gradients,
+            "master_weights": master_weights,
+            "rounding_seed": rounding_seed,
         }.items()
         if _checks.given(v)
     }
@@ -276,6 +302,8 @@ def wrap_optimizer(
         lr_scale=lr_scale,
         bucket_bytes=settings["bucket_bytes"],
         sparse_gradients=settings["sparse_gradients"],
+        master_weights=settings["master_weights"],
+        rounding_seed=settings["rounding_seed"],
     )
 
 

@@ -152,7 +152,9 @@ def enable(
 
     Args:
         policy: ``"auto"`` (follow the hardware), ``"mixed_float16"``,
-            ``"mixed_bfloat16"``, ``"float32"``, or a ``keras.DTypePolicy``.
+            ``"mixed_bfloat16"``, ``"float32"``, ``"bfloat16"`` (bfloat16 weights and
+            optimizer states too: half their memory; :func:`kmp.wrap_optimizer`'s
+            ``master_weights`` keeps their small updates), or a ``keras.DTypePolicy``.
         hardware: The machine to decide for; detected when None.
 
     Returns:

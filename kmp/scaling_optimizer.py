@@ -23,7 +23,9 @@ from keras import ops
 
 from kmp import distributed
 from kmp import loss_scale as _ls
+from kmp import master_weights as _mw
 from kmp._names import normalize_compression
+from kmp.compensated import CompensatedUpdates
 from kmp.distributed import sparse
 from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
 from kmp.learning_rate import rescale_learning_rate
@@ -47,9 +49,8 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Args:
         inner_optimizer: The Keras optimizer that updates the weights.
-        rule: The :class:`kmp.loss_scale.LossScale`. A setting (``"dynamic"``, a
-            number, None) is accepted here too, as the second argument was the
-            setting before the rule existed; None resolves ``loss_scale``.
+        rule: The :class:`kmp.loss_scale.LossScale`, or (as before the rule existed) a
+            setting; None resolves ``loss_scale``.
         loss_scale: The setting the user passed (``"dynamic"``, ``"force_dynamic"``,
             a number or None), kept for :meth:`settings`.
         compression: None, ``"fp16"`` or ``"bf16"``.
@@ -58,6 +59,8 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         lr_scale: The factor it scaled it by (kept for the config).
         bucket_bytes: Bytes per allreduce bucket; None: one grouped allreduce.
         sparse_gradients: ``"dense"`` or ``"gather"`` (:mod:`kmp.distributed.sparse`).
+        master_weights: How 16-bit weights take their updates (:mod:`kmp.master_weights`).
+        rounding_seed: The seed of ``master_weights="stochastic"``'s rounding.
         name: Optimizer name.
         **knobs: Loss-scale knobs (``initial_scale``, ``growth_interval``, ...) for
             a rule resolved here; not allowed together with a ``LossScale``.
@@ -75,6 +78,8 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         lr_scale: float = 1.0,
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         sparse_gradients: str = sparse.DEFAULT_SPARSE_GRADIENTS,
+        master_weights: str = _mw.DEFAULT_MASTER_WEIGHTS,
+        rounding_seed: int = 0,
         name: str | None = None,
         **knobs: Any,
     ):
@@ -104,6 +109,9 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.lr_scale = float(lr_scale)
         self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         self.sparse_gradients = sparse.check_sparse_gradients(sparse_gradients)
+        self.master_weights = _mw.check_master_weights(master_weights)
+        self.rounding_seed = int(rounding_seed)
+        self.compensated: CompensatedUpdates | None = None
         self._payload_bytes = 0
         self._own_index: dict[int, int] = {}
 
@@ -165,6 +173,8 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             "scale_lr": self.scale_lr,
             "bucket_bytes": self.bucket_bytes,
             "sparse_gradients": self.sparse_gradients,
+            "master_weights": self.master_weights,
+            "rounding_seed": self.rounding_seed,
         }
 
     def rescale_learning_rate(self, factor: float) -> None:
@@ -205,6 +215,10 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             ]
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
+        # Kahan buffers are the inner optimizer's variables: saved and mapped with its state.
+        self.compensated = self.compensated or CompensatedUpdates(
+            self.inner_optimizer, var_list, self.master_weights, self.rounding_seed
+        )
         # Skip LossScaleOptimizer.build (it would create its variables again).
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
         self._own_index = {id(v): i for i, v in enumerate(self._variables)}
@@ -425,23 +439,12 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def from_config(cls, config: dict, custom_objects: dict | None = None):
         """Rebuild from :meth:`get_config` output (the learning rate is not scaled again).
 
-        Configs written by kmp 0.x before the rule was saved (``initial_scale``,
-        ``growth_interval`` and ``resolved_mode`` keys) are read too.
+        Configs of kmp 0.x, before the rule was saved, are read too (``rule_from_config``).
         """
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
-        rule = config.pop("rule", None)
-        legacy = {k: config.pop(k) for k in ("initial_scale", "growth_interval") if k in config}
-        mode = config.pop("resolved_mode", None)
-        if rule is not None:
-            rule = _ls.LossScale.from_config(rule)
-        else:  # an old config: decide as it was decided then ("dynamic" on float16)
-            compute = keras.config.dtype_policy().compute_dtype
-            if mode is not None:
-                compute = "float16" if mode == "dynamic" else "float32"
-            if mode == "static":  # the static value is the setting itself
-                legacy.pop("initial_scale", None)
-            rule = _ls.from_setting(config.get("loss_scale"), compute_dtype=compute, **legacy)
+        compute = keras.config.dtype_policy().compute_dtype
+        rule = _ls.rule_from_config(config, compute_dtype=compute)  # pops the rule's keys
         return cls(inner, rule, **config)

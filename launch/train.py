@@ -49,6 +49,8 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
+from kmp._names import MASTER_WEIGHTS  # the vocabulary only: nothing heavy
+
 
 def _load_workloads():
     """Import ``launch/workloads.py`` beside this file (also when bench/ imports this one)."""
@@ -108,7 +110,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--policy",
         default="auto",
-        help="auto, mixed_float16, mixed_bfloat16 or float32 (KMP_POLICY overrides)",
+        help="auto, mixed_float16, mixed_bfloat16, float32 or bfloat16 (bfloat16 weights and "
+        "optimizer states; KMP_POLICY overrides)",
+    )
+    p.add_argument(
+        "--master-weights",
+        choices=MASTER_WEIGHTS,
+        default="auto",
+        help="how updates reach 16-bit weights (kmp.wrap_optimizer's master_weights)",
     )
     p.add_argument("--batch-size", type=int, help="examples per batch on each rank")
     p.add_argument(
@@ -379,6 +388,8 @@ def make_optimizer(args, kmp, steps_per_epoch: int, size: int):
         compression=None if args.compression == "none" else args.compression,
         scale_lr=args.scale_lr,
         growth_interval=args.loss_scale_growth_interval,
+        master_weights=args.master_weights,
+        rounding_seed=args.seed,
         **({} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}),
     )
 
@@ -398,6 +409,18 @@ def loss_scale_of(model) -> tuple[float | None, int | None]:
     scale = getattr(opt, "loss_scale", None)
     skipped = getattr(opt, "skipped_steps", None)
     return (None if scale is None else float(scale), None if skipped is None else int(skipped))
+
+
+def state_bytes_per_param(model) -> float:
+    """Bytes of the weights and the optimizer's variables per trainable parameter."""
+    import numpy as np
+
+    def nbytes(v) -> int:
+        return int(np.prod(v.shape)) * np.dtype(v.dtype.replace("bfloat16", "float16")).itemsize
+
+    params = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
+    held = sum(nbytes(v) for v in [*model.weights, *model.optimizer.variables])
+    return held / max(params, 1)
 
 
 def weights_max_diff(variables, kmp) -> float:
@@ -724,6 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dataset": args.dataset,
         "policy": choice.name,
         "policy_reason": choice.reason,
+        "master_weights": model.optimizer.master_weights,
+        "state_bytes_per_param": state_bytes_per_param(model),
         "ranks": world.size,
         "engine": world.engine,
         "batch_size_per_rank": args.batch_size,

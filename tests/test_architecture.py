@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp.loss_scale",
             "kmp.layers",
             "kmp.float32_layers",
+            "kmp.master_weights",
             "kmp.auditing",
             "kmp.probing",
         ),
@@ -46,6 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "training",
         (
             "kmp.learning_rate",
+            "kmp.compensated",
             "kmp.scaling_optimizer",
             "kmp.optimizer",
             "kmp.xla",

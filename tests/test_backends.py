@@ -18,6 +18,7 @@ CORE_TESTS = [
     "tests/test_float32_layers.py",
     "tests/test_auditing.py",
     "tests/test_probing.py",
+    "tests/test_master_weights.py",  # the stateless path (its 2-process runs: not here)
 ]
 
 
@@ -36,6 +37,8 @@ def test_core_tests_pass_on_jax_backend():
             "-p",
             "no:cacheprovider",
             *CORE_TESTS,
+            "-m",
+            "not distributed",
             "-k",
             "not cli",
         ],

@@ -419,6 +419,54 @@ def test_numerics_options_are_checked():
     assert "--steps-per-epoch" in numerics.train_args("gpt", "float32", 0, quick=True)
 
 
+def test_master_weights_bench_judges_modes_against_float32(tmp_path):
+    mwb = _load("master_weights")
+    rows = [_row("digits", "float32", s, v) for s, v in enumerate((97.0, 97.4))] + [
+        _row("digits", "bfloat16+kahan", s, v) for s, v in enumerate((97.1, 97.3))
+    ] + [
+        _row("digits", "bfloat16+stochastic", s, v) for s, v in enumerate((96.0, 96.2))
+    ] + [
+        _row("digits", "bfloat16+none", s, v, diff=0.5) for s, v in enumerate((90.0, 91.0))
+    ]  # fmt: skip
+    table = _load("numerics").aggregate(rows)
+    judged = {t["name"]: t for t in mwb.targets(table, rows)}
+    assert judged["digits CNN, bfloat16 + kahan vs float32 test accuracy (mean of seeds)"]["met"]
+    stochastic = judged[
+        "digits CNN, bfloat16 + stochastic vs float32 test accuracy (mean of seeds)"
+    ]
+    assert stochastic["met"] is False and stochastic["value"] == pytest.approx(-1.1)
+    assert judged["digits CNN, bfloat16 + none loses against kahan and stochastic"]["met"]
+    assert judged["ranks' weights bit-identical after every bfloat16 run"]["met"] is False
+    assert (
+        judged["GPT on text, bfloat16 + kahan vs float32 validation loss (mean of seeds)"]["met"]
+        is None
+    )  # not run
+    argv = _load("numerics").train_args("digits", "bfloat16+stochastic", 1, quick=True)
+    assert argv[argv.index("--policy") + 1] == "bfloat16"
+    assert argv[argv.index("--master-weights") + 1] == "stochastic"
+    ref = tmp_path / "numerics.json"
+    ref.write_text(json.dumps({"rows": [_row("digits", "float32", 0, 97.0),
+                                        _row("digits", "mixed_float16", 0, 97.0)]}))  # fmt: skip
+    taken = mwb.reference_rows(ref, [], [0], ["digits"])
+    assert [(r["policy"], r["source"]) for r in taken] == [("float32", "numerics.json")]
+    with pytest.raises(SystemExit):
+        mwb.parse_args(["--policies", "bfloat16+fast"])
+
+
+def test_state_bytes_per_master_weights_config_and_their_targets():
+    states = _load("_states")
+    figures = {c: states.measure(c, quick=True, steps=1, tf_memory=None)
+               for c in ("mixed_bfloat16", "bfloat16+kahan", "bfloat16+stochastic")}  # fmt: skip
+    per = {c: f["state_bytes_per_param"] for c, f in figures.items()}
+    assert per == pytest.approx({"mixed_bfloat16": 12.0, "bfloat16+kahan": 8.0,
+                                 "bfloat16+stochastic": 6.0}, rel=1e-3)  # fmt: skip
+    assert figures["bfloat16+kahan"]["slot_dtype"] == "bfloat16"
+    checks = {t["name"]: t for t in states.targets(figures)}
+    assert all(t["met"] for t in checks.values()) and len(checks) == 2
+    figures["bfloat16+kahan"]["state_bytes"] = figures["mixed_bfloat16"]["state_bytes"]
+    assert not states.targets(figures)[1]["met"]  # 1.0 > 0.70: judged, not assumed
+
+
 # ------------------------------------------------------------------ memory counting
 
 

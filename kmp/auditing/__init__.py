@@ -14,8 +14,10 @@ large-vocab-16bit        error     a 16-bit model output with more than 2,048 cl
                                    (use ``kmp.float32_outputs(model)``)
 low-precision-activation error     a softmax/sigmoid producing a model output is
                                    computed in float16/bfloat16
-low-precision-variables  error     a layer keeps float16/bfloat16 variables (no
-                                   float32 master weights)
+low-precision-variables  error     a layer keeps float16/bfloat16 variables whose
+                         / info    updates are not compensated (info when the
+                                   model's kmp optimizer compensates them:
+                                   ``master_weights`` "kahan" or "stochastic")
 attention-mask-overflow  error     measured: with a mask, a 16-bit attention/softmax
                                    gives non-finite output or weight on masked keys
 low-precision-norm       warning   measured: a normalisation layer's 16-bit output
@@ -107,7 +109,8 @@ def audit(model: keras.Model) -> AuditReport:
         total = model.count_params()
     except Exception:
         total = sum(int(keras.ops.size(v)) for v in model.weights)
-    ctx = AuditContext(global_policy, max(int(total), 1))
+    setting = getattr(getattr(model, "optimizer", None), "master_weights", None)
+    ctx = AuditContext(global_policy, max(int(total), 1), setting)
     outputs = _model_outputs(model)
     output_ids = model_output_layers(outputs or [])
     visits = list(walk(model))

@@ -12,6 +12,7 @@ import math
 
 from kmp._names import MIXED_POLICIES
 from kmp.auditing.report import UNKNOWN, Finding, LayerFacts
+from kmp.master_weights import update_mode
 
 __all__ = [
     "AuditContext",
@@ -30,10 +31,19 @@ _FIX_OUTPUTS = "Use kmp.float32_outputs(model)"
 
 @dataclasses.dataclass(frozen=True)
 class AuditContext:
-    """What the rules know about the whole model."""
+    """What the rules know about the whole model.
+
+    Attributes:
+        global_policy: The global dtype policy's name.
+        total_params: The model's parameter count.
+        master_weights: The ``master_weights`` setting of the model's kmp optimizer
+            (:mod:`kmp.master_weights`); None when it has none (not compiled, or a
+            plain Keras optimizer): its 16-bit weights then take lossy updates.
+    """
 
     global_policy: str
     total_params: int
+    master_weights: str | None = None
 
     @property
     def mixed(self) -> bool:
@@ -73,20 +83,38 @@ def _activation(f: LayerFacts) -> list[Finding]:
     ]
 
 
-def _variables(f: LayerFacts) -> list[Finding]:
+def _variables(f: LayerFacts, ctx: AuditContext) -> list[Finding]:
     low = sorted({d for d in f.variable_dtypes if d in LOW})
     if not low:
         return []
+    stored = f"variables stored in {', '.join(low)}"
+    fix = (
+        "Compile with kmp.wrap_optimizer(opt) (master_weights='kahan', the default for 16-bit "
+        "weights, or 'stochastic'), or use a mixed_* policy (float32 variables) instead of "
+        f"{f.policy!r}."
+    )
+    if ctx.master_weights is None:
+        why = "the model's optimizer is not kmp's (or it is not compiled)"
+        return [_lossy(f, f"{stored} and {why}: small updates are lost. {fix}")]
+    try:
+        modes = sorted({update_mode(ctx.master_weights, d) for d in low})
+    except ValueError as exc:
+        return [_lossy(f, f"{stored}: {exc}")]
+    if "none" in modes:
+        return [_lossy(f, f"{stored} with master_weights='none': small updates are lost. {fix}")]
     return [
         Finding(
-            "error",
+            "info",
             "low-precision-variables",
             f.path,
-            f"variables stored in {', '.join(low)}: no float32 master weights, so small "
-            f"updates are lost. Use a mixed_* policy (float32 variables) instead of "
-            f"{f.policy!r}.",
+            f"{stored} on purpose: the optimizer compensates their updates "
+            f"(master_weights={' and '.join(repr(m) for m in modes)}).",
         )
     ]
+
+
+def _lossy(f: LayerFacts, message: str) -> Finding:
+    return Finding("error", "low-precision-variables", f.path, message)
 
 
 def _norm(f: LayerFacts) -> list[Finding]:
@@ -255,7 +283,7 @@ def layer_findings(f: LayerFacts, ctx: AuditContext) -> list[Finding]:
     return [
         *_not_checked(f),
         *_activation(f),
-        *_variables(f),
+        *_variables(f, ctx),
         *_norm(f),
         *_attention(f),
         *_embedding(f),

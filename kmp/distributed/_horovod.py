@@ -116,15 +116,31 @@ def broadcast_variables(
     Returns:
         Horovod's op group in graph mode, else None.
     """
-    if not eager_assign:
-        return hvd.broadcast_variables(list(tf_variables), root_rank=root)
-    import numpy as np
     import tensorflow as tf
 
+    if not eager_assign:
+        wide = [v for v in tf_variables if v.dtype != tf.bfloat16]
+        # Horovod's broadcast has no bfloat16: those travel as their int16 bit patterns.
+        narrow = [
+            v.assign(_broadcast(hvd, v, root)) for v in tf_variables if v.dtype == tf.bfloat16
+        ]
+        group = hvd.broadcast_variables(wide, root_rank=root) if wide else None
+        return group if not narrow else tf.group(*narrow, *([group] if group is not None else []))
+    import numpy as np
+
     for i, v in enumerate(tf_variables):
-        value = hvd.broadcast(tf.constant(np.asarray(v)), root, name=f"kmp.bcast.{i}")
+        value = _broadcast(hvd, tf.constant(np.asarray(v)), root, name=f"kmp.bcast.{i}")
         v.assign(value.numpy())
     return None
+
+
+def _broadcast(hvd: ModuleType, tensor: Any, root: int, **kwargs: Any) -> Any:
+    """``hvd.broadcast``, bfloat16 included (Horovod has no bfloat16: its int16 bits travel)."""
+    import tensorflow as tf
+
+    if tensor.dtype != tf.bfloat16:
+        return hvd.broadcast(tensor, root, **kwargs)
+    return tf.bitcast(hvd.broadcast(tf.bitcast(tensor, tf.int16), root, **kwargs), tf.bfloat16)
 
 
 def broadcast_object(hvd: ModuleType, obj: Any, root: int) -> Any:
@@ -156,6 +172,16 @@ def grouped_allreduce(
     n = int(hvd.size())
     if compression == "bf16":
         return _bf16_allgather_reduce(hvd, dense, op, n)
+    if compression is None and any(t.dtype == tf.bfloat16 for t in dense):
+        # Horovod has no bfloat16 reduction: bfloat16 tensors (the gradients of bfloat16
+        # weights) travel as they are through the allgather path, the rest as usual.
+        wide = [i for i, t in enumerate(dense) if t.dtype != tf.bfloat16]
+        out = _bf16_allgather_reduce(hvd, dense, op, n, only_bfloat16=True)
+        for i, r in zip(
+            wide, grouped_allreduce(hvd, [dense[i] for i in wide], op, None), strict=True
+        ):
+            out[i] = r
+        return out
     sent = [
         tf.cast(t, tf.float16) if compression == "fp16" and t.dtype.is_floating else t
         for t in dense
@@ -183,17 +209,23 @@ def _grouped_by_dtype(hvd: ModuleType, tensors: list[Any], **kwargs: Any) -> lis
     return out
 
 
-def _bf16_allgather_reduce(hvd: ModuleType, dense: list[Any], op: str, n: int) -> list[Any]:
+def _bf16_allgather_reduce(
+    hvd: ModuleType, dense: list[Any], op: str, n: int, only_bfloat16: bool = False
+) -> list[Any]:
     """Reduce floating tensors as bfloat16 bit patterns: one fused allgather, local float32 math.
 
     Horovod has no bfloat16 reduction. The floating tensors are cast to bfloat16,
     sent as int16 bit patterns with one grouped allgather and reduced here in
-    float32; non-floating tensors take the ordinary allreduce.
+    float32; non-floating tensors take the ordinary allreduce. With ``only_bfloat16``
+    only the bfloat16 tensors are reduced and the other places are left None.
     """
     import tensorflow as tf
 
-    floating = [i for i, t in enumerate(dense) if t.dtype.is_floating]
-    others = [i for i in range(len(dense)) if i not in floating]
+    if only_bfloat16:
+        floating, others = [i for i, t in enumerate(dense) if t.dtype == tf.bfloat16], []
+    else:
+        floating = [i for i, t in enumerate(dense) if t.dtype.is_floating]
+        others = [i for i in range(len(dense)) if i not in floating]
     out: list[Any] = [None] * len(dense)
     if floating:
         bits = [
@@ -255,12 +287,12 @@ def grouped_allgather_slices(
     def send(v: Any) -> Any:
         if compression == "fp16" and v.dtype.is_floating:
             return tf.cast(v, tf.float16)
-        if compression == "bf16" and v.dtype.is_floating:
-            return tf.bitcast(tf.cast(v, tf.bfloat16), tf.int16)
+        if (compression == "bf16" and v.dtype.is_floating) or v.dtype == tf.bfloat16:
+            return tf.bitcast(tf.cast(v, tf.bfloat16), tf.int16)  # Horovod has no bfloat16
         return v
 
     def receive(g: Any, dtype: Any) -> Any:
-        if compression == "bf16" and dtype.is_floating:
+        if g.dtype == tf.int16 and dtype.is_floating:
             g = tf.bitcast(g, tf.bfloat16)
         return g if g.dtype == dtype else tf.cast(g, dtype)
 

@@ -1,0 +1,187 @@
+"""Compensated updates of 16-bit weights inside any Keras optimizer.
+
+:class:`CompensatedUpdates` attaches :mod:`kmp.master_weights`'s rule to a built Keras
+optimizer (the one :func:`kmp.wrap_optimizer` wraps), on that instance only:
+
+* Keras optimizers compute an update in the weight's dtype. For a bfloat16 weight that
+  breaks them outright: Adam's ``beta_2=0.999`` rounds to 1.0, so its bias correction
+  ``1 - beta_2**t`` is 0 and every update is exactly zero. So ``update_step`` is given a
+  float32 view of each 16-bit weight instead of the weight: the optimizer computes in
+  float32 (its slots stay in the weight's dtype, the memory saving) and hands back the
+  exact float32 change.
+* That change reaches the weight through the rule: Kahan summation, stochastic rounding
+  or round-to-nearest (``"none"``). Weight decay (``_apply_weight_decay``) too.
+
+Float32 weights and the optimizer's own slots go to Keras unchanged. The Kahan buffers
+are variables *of that optimizer* (``add_variable_from_reference``, in the weight's
+dtype), so they are part of its state everywhere Keras and kmp read it: checkpoints,
+``stateless_apply`` on JAX, ``kmp.elastic``'s state.
+
+An optimizer that sets a weight outright (``assign``: Ftrl, ScheduleFreeAdamW) gets the
+difference from the weight's current value added by the rule. One whose ``update_step``
+reads a weight's ``path`` (Muon) cannot take the view: use float32 weights with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import keras
+from keras import ops
+
+from kmp import master_weights as _mw
+from kmp.distributed import sparse
+
+__all__ = ["CompensatedUpdates"]
+
+
+class CompensatedUpdates:
+    """The master-weights rule, installed on one built Keras optimizer.
+
+    Args:
+        optimizer: The inner Keras optimizer, already built on ``variables``.
+        variables: The trainable variables it updates.
+        setting: A canonical ``master_weights`` setting.
+        seed: The stochastic rounding's seed.
+
+    Raises:
+        ValueError: A weight's dtype does not allow ``setting``
+            (:func:`kmp.master_weights.update_mode`).
+    """
+
+    def __init__(self, optimizer: Any, variables: list, setting: str, seed: int):
+        self.optimizer = optimizer
+        self.seed = int(seed)
+        self.modes: dict[str, str] = {}  # variable path -> mode, for reports
+        self._entries: dict[Any, tuple[str, int, Any]] = {}  # key -> (mode, index, buffer)
+        self._views: dict[int, tuple[Any, tuple[str, int, Any]]] = {}  # id(view) -> (var, entry)
+        self._last: Any = None  # the latest update's value (TensorFlow graphs: the order)
+        for index, v in enumerate(variables):
+            mode = _mw.update_mode(setting, str(v.dtype))
+            self.modes[v.path] = mode
+            if mode != _mw.EXACT:
+                buffer = None
+                if mode == "kahan":
+                    buffer = optimizer.add_variable_from_reference(v, name="kahan_compensation")
+                self._entries[optimizer._var_key(v)] = (mode, index, buffer)
+        if self._entries:
+            self._install()
+
+    @property
+    def buffers(self) -> list:
+        """The Kahan compensation buffers (optimizer variables), in variable order."""
+        return [b for _, _, b in self._entries.values() if b is not None]
+
+    def _install(self) -> None:
+        opt = self.optimizer
+        original = {
+            name: getattr(opt, name)
+            for name in ("update_step", "_var_key", "assign", "assign_add", "assign_sub")
+        }
+        keras_decay = opt._apply_weight_decay
+        self._keras_assign = original["assign"]
+
+        def var_key(variable: Any) -> Any:
+            view = self._views.get(id(variable))
+            return original["_var_key"](view[0] if view else variable)
+
+        def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
+            entry = self._entry(variable)
+            if entry is None:
+                return original["update_step"](gradient, variable, learning_rate)
+            with self._after_previous():
+                view = ops.cast(variable, "float32")  # the optimizer computes in float32
+                self._views[id(view)] = (variable, entry)
+                try:
+                    return original["update_step"](gradient, view, learning_rate)
+                finally:
+                    del self._views[id(view)]
+
+        def change(name: str, sign: float | None) -> Any:
+            def assign(variable: Any, value: Any) -> Any:
+                view = self._views.get(id(variable))
+                if view is None:
+                    entry = self._entry(variable)
+                    if entry is None:
+                        return original[name](variable, value)
+                    view = (variable, entry)
+                target, entry = view
+                value = self._dense(target, value)
+                if sign is None:  # set outright: the change from the current value
+                    delta = ops.subtract(ops.cast(value, "float32"), ops.cast(target, "float32"))
+                else:
+                    delta = ops.multiply(ops.cast(value, "float32"), sign)
+                return self._add(target, delta, entry)
+
+            return assign
+
+        def apply_weight_decay(variables: list) -> None:
+            if opt.weight_decay is None:
+                return
+            keras_decay([v for v in variables if self._entry(v) is None])
+            for v in variables:
+                entry = self._entry(v)
+                if entry is not None and opt._use_weight_decay(v):
+                    rate = ops.multiply(
+                        ops.cast(opt.learning_rate, "float32"),
+                        ops.cast(opt.weight_decay, "float32"),
+                    )
+                    self._add(v, ops.negative(ops.multiply(ops.cast(v, "float32"), rate)), entry)
+
+        opt.update_step, opt._var_key = update_step, var_key
+        opt.assign, opt.assign_add, opt.assign_sub = (
+            change("assign", None),
+            change("assign_add", 1.0),
+            change("assign_sub", -1.0),
+        )
+        opt._apply_weight_decay = apply_weight_decay
+
+    def _after_previous(self) -> Any:
+        """In a TensorFlow graph, order this weight's update after the previous one's.
+
+        Without an order TensorFlow runs every weight's update at once, so the float32
+        temporaries of all of them (the view, the update, the exact sum) are alive
+        together: more than the 16-bit state saves. One after the other, only one
+        weight's are. (JAX's compiler schedules its buffers itself.)
+        """
+        if keras.backend.backend() != "tensorflow":
+            return contextlib.nullcontext()
+        import tensorflow as tf
+
+        last = self._last
+        if (
+            tf.executing_eagerly()
+            or last is None
+            or last.graph is not tf.compat.v1.get_default_graph()
+        ):
+            return contextlib.nullcontext()
+        return tf.control_dependencies([last])
+
+    def _entry(self, variable: Any) -> tuple[str, int, Any] | None:
+        try:
+            return self._entries.get(self.optimizer._var_key(variable))
+        except (AttributeError, TypeError):  # not a variable this optimizer knows
+            return None
+
+    @staticmethod
+    def _dense(variable: Any, value: Any) -> Any:
+        """A sparse update (``tf.IndexedSlices``) as a dense tensor of the weight's shape."""
+        return sparse.densify(value, tuple(variable.shape)) if sparse.is_sparse(value) else value
+
+    def _add(self, variable: Any, delta: Any, entry: tuple[str, int, Any]) -> None:
+        """Add the float32 ``delta`` to the 16-bit ``variable`` by its mode."""
+        mode, index, buffer = entry
+        if mode == "kahan":
+            new, owed = _mw.compensated_add(ops.convert_to_tensor(variable), buffer, delta)
+            self._keras_assign(buffer, owed)
+        else:
+            exact = ops.add(ops.cast(variable, "float32"), delta)
+            if mode == "stochastic":
+                step = self.optimizer.iterations
+                bits = _mw.random_bits(tuple(variable.shape), self.seed, step, index)
+                new = _mw.stochastic_round(exact, bits)
+            else:  # "none": round to nearest
+                new = ops.cast(exact, variable.dtype)
+        self._keras_assign(variable, new)
+        self._last = new
