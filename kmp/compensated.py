@@ -11,8 +11,12 @@ optimizer (the one :func:`kmp.wrap_optimizer` wraps), on that instance only:
   exact float32 change.
 * That change reaches the weight through the rule: Kahan summation, stochastic rounding
   or round-to-nearest (``"none"``). Weight decay (``_apply_weight_decay``) too.
+* The optimizer's 16-bit slots lose their small steps the same way (Adam's second moment
+  decays by 0.1 % a step: rounded to nearest in bfloat16 it never decays), so under
+  ``"kahan"`` and ``"stochastic"`` their new values are rounded stochastically (no extra
+  memory); under ``"none"`` Keras rounds them to nearest.
 
-Float32 weights and the optimizer's own slots go to Keras unchanged. The Kahan buffers
+Float32 weights and their slots go to Keras unchanged. The Kahan buffers
 are variables *of that optimizer* (``add_variable_from_reference``, in the weight's
 dtype), so they are part of its state everywhere Keras and kmp read it: checkpoints,
 ``stateless_apply`` on JAX, ``kmp.elastic``'s state.
@@ -34,6 +38,8 @@ from kmp import master_weights as _mw
 from kmp.distributed import sparse
 
 __all__ = ["CompensatedUpdates"]
+
+SLOT = "slot"  # an optimizer variable in 16 bits (rounded stochastically)
 
 
 class CompensatedUpdates:
@@ -65,6 +71,13 @@ class CompensatedUpdates:
                 if mode == "kahan":
                     buffer = optimizer.add_variable_from_reference(v, name="kahan_compensation")
                 self._entries[optimizer._var_key(v)] = (mode, index, buffer)
+        if any(m in ("kahan", "stochastic") for m, _, _ in self._entries.values()):
+            # The optimizer's 16-bit slots (Adam's moments) are rounded stochastically: plain
+            # rounding loses their small steps too (Adam's second moment would never decay).
+            buffers = {id(b) for b in self.buffers}
+            slots = [s for s in optimizer.variables if str(s.dtype) in _mw.LOW_PRECISION]
+            for j, s in enumerate(x for x in slots if id(x) not in buffers):
+                self._entries[optimizer._var_key(s)] = (SLOT, len(variables) + j, None)
         if self._entries:
             self._install()
 
@@ -108,6 +121,11 @@ class CompensatedUpdates:
                     view = (variable, entry)
                 target, entry = view
                 value = self._dense(target, value)
+                if entry[0] == SLOT:  # the optimizer's own state: its new value, rounded
+                    exact = ops.cast(value, "float32")
+                    if sign is not None:
+                        exact = ops.add(ops.cast(target, "float32"), ops.multiply(exact, sign))
+                    return self._round_into(target, exact, entry)
                 if sign is None:  # set outright: the change from the current value
                     delta = ops.subtract(ops.cast(value, "float32"), ops.cast(target, "float32"))
                 else:
@@ -171,17 +189,24 @@ class CompensatedUpdates:
 
     def _add(self, variable: Any, delta: Any, entry: tuple[str, int, Any]) -> None:
         """Add the float32 ``delta`` to the 16-bit ``variable`` by its mode."""
-        mode, index, buffer = entry
-        if mode == "kahan":
-            new, owed = _mw.compensated_add(ops.convert_to_tensor(variable), buffer, delta)
-            self._keras_assign(buffer, owed)
-        else:
-            exact = ops.add(ops.cast(variable, "float32"), delta)
-            if mode == "stochastic":
-                step = self.optimizer.iterations
-                bits = _mw.random_bits(tuple(variable.shape), self.seed, step, index)
-                new = _mw.stochastic_round(exact, bits)
-            else:  # "none": round to nearest
-                new = ops.cast(exact, variable.dtype)
+        mode, _, buffer = entry
+        if mode != "kahan":
+            self._round_into(variable, ops.add(ops.cast(variable, "float32"), delta), entry)
+            return
+        new, owed = _mw.compensated_add(ops.convert_to_tensor(variable), buffer, delta)
+        self._keras_assign(buffer, owed)
+        self._keras_assign(variable, new)
+        self._last = new
+
+    def _round_into(self, variable: Any, exact: Any, entry: tuple[str, int, Any]) -> None:
+        """Store float32 ``exact`` in the 16-bit ``variable``: stochastically, or to nearest."""
+        mode, index, _ = entry
+        if mode in ("stochastic", SLOT):
+            bits = _mw.random_bits(
+                tuple(variable.shape), self.seed, self.optimizer.iterations, index
+            )
+            new = _mw.stochastic_round(exact, bits)
+        else:  # "none": round to nearest
+            new = ops.cast(exact, variable.dtype)
         self._keras_assign(variable, new)
         self._last = new

@@ -17,6 +17,9 @@ dtype:
   is reproducible from its seed.
 * ``"none"``: round to nearest, as Keras does (lossy; kept for comparison).
 
+:mod:`kmp.compensated` also rounds the optimizer's 16-bit slots stochastically under
+``"kahan"`` and ``"stochastic"`` (:func:`stochastic_round`, with their own indices).
+
 The arithmetic is float32 and written with ``keras.ops``, so the stateful path, the
 stateless (JAX) path and both engines share it. Float32 weights are always updated
 exactly and need none of this.

@@ -215,7 +215,8 @@ def wrap_optimizer(
             without bias (no extra memory; the same bits on every rank). ``"none"``:
             round to nearest (updates below half a bfloat16 step, about ``2**-9`` of the
             weight, are lost). ``"float32"``: require float32 weights (an error for
-            16-bit ones). The optimizer's slots take the weights' dtype.
+            16-bit ones). The optimizer's slots take the weights' dtype; under "kahan"
+            and "stochastic" their updates are rounded stochastically too.
         rounding_seed: The seed of the stochastic rounding (default 0): the same seed
             and data give the same run.
 

@@ -168,6 +168,24 @@ def test_adam_learns_on_bfloat16_weights_only_through_kmp():
             assert abs(as_float(v).mean() - 0.95) < 0.004
 
 
+def test_the_optimizers_bfloat16_slots_keep_their_small_steps():
+    """Adam's second moment decays by 0.1 % a step, below half a bfloat16 step: rounded to
+    nearest it would never decay; rounded stochastically it follows float32 on average."""
+
+    def second_moment(dtype, mode):
+        v = keras.Variable(np.ones((512,), "float32"), dtype=dtype)
+        opt = kmp.wrap_optimizer(keras.optimizers.Adam(1e-4), master_weights=mode)
+        for g in [1.0] * 5 + [0.0] * 300:
+            opt.apply([ops.full((512,), g, dtype)], [v])
+        return as_float(opt.inner_optimizer.variables[-2 if mode == "kahan" else -1])
+
+    exact = second_moment("float32", "auto")
+    assert exact.mean() < 0.75 * 5e-3  # it decayed (5 steps of 1.0 gave about 5e-3)
+    for mode in ("kahan", "stochastic"):
+        assert abs(second_moment("bfloat16", mode).mean() / exact.mean() - 1) < 0.05, mode
+    assert second_moment("bfloat16", "none").mean() > 1.2 * exact.mean()  # stuck near 5e-3
+
+
 OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "Nadam", "Lion", "Lamb",
               "Adafactor"]  # fmt: skip
 
