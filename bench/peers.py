@@ -322,8 +322,35 @@ def cluster_part(args: argparse.Namespace, tmp: Path) -> dict:
     return {"jobs": out, "errors": errors}
 
 
-def derive_cluster(jobs: dict) -> dict:
-    """Add each job's ratio to kmp's one bucket and to the limit; ``kmp`` = the default's job."""
+def gradient_bytes(model: str = "wide_mlp") -> int:
+    """Bytes of the float32 gradients of a benchmark model (what a step exchanges)."""
+    import models
+
+    return int(models.build(model).count_params()) * 4
+
+
+def add_limits(row: dict, key: str, jobs: dict, batch: int, float32_bytes: int) -> None:
+    """Add a links row's traffic, its four limits (bench/limits.py) and its ratio to each."""
+    import limits
+
+    rate, n, name = key.split("/")
+    independent = jobs.get(f"{rate}/{n}/independent")
+    if not independent or name == "independent":
+        return
+    payload, algorithm = limits.job_traffic(row.get("job", name), float32_bytes)
+    sent = limits.bytes_sent_per_rank(payload, int(n), algorithm)
+    lim = limits.limits(independent["images_per_s"], batch, int(n), sent, limits.rate_bits(rate))
+    row["traffic"] = {"algorithm": algorithm, "sent_bytes_per_rank": round(sent)}
+    row["limits"] = {k: round(v, 4 if k.startswith("t_") else 1) for k, v in lim.items()}
+    for kind in ("wire", "non_overlapped", "overlapped"):
+        row[f"vs_{kind}"] = round(row["images_per_s"] / lim[kind], 3)
+
+
+def derive_cluster(jobs: dict, batch: int | None = None, float32_bytes: int | None = None) -> dict:
+    """Add each job's ratio to kmp's one bucket and to the limit; ``kmp`` = the default's job.
+
+    With the batch and the gradient bytes, also its wire and combined limits.
+    """
     jobs = {k: dict(v) for k, v in jobs.items() if not k.endswith("/kmp")}
     for key in list(jobs):
         rate, n, name = key.split("/")
@@ -337,6 +364,8 @@ def derive_cluster(jobs: dict) -> dict:
         limit = jobs.get(f"{rate}/{n}/independent")
         if limit:
             row["vs_limit"] = round(row["images_per_s"] / limit["images_per_s"], 3)
+        if batch and float32_bytes:
+            add_limits(row, key, jobs, batch, float32_bytes)
     return jobs
 
 
@@ -350,7 +379,11 @@ def report(result: dict, name: str) -> Path:
 
     result["local"]["jobs"] = derive_local(result["local"]["jobs"])
     if "jobs" in result["cluster"]:
-        result["cluster"]["jobs"] = derive_cluster(result["cluster"]["jobs"])
+        batch = result.get("settings", {}).get("cluster_batch")
+        result["cluster"]["float32_gradient_bytes"] = gradient_bytes("wide_mlp")
+        result["cluster"]["jobs"] = derive_cluster(
+            result["cluster"]["jobs"], batch, result["cluster"]["float32_gradient_bytes"]
+        )
     result["default_job"] = default_job()
     result["targets"] = targets(result, TARGETS)
     md = markdown(result)

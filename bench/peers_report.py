@@ -7,6 +7,9 @@ from pathlib import Path
 from _common import markdown_table
 
 PEERS = ("hvd_tape", "mwms")
+LINK_HEADERS = ["link", "hosts", "job", "images/s", "vs one bucket", "vs limit", "MB sent",
+                "wire limit", "non-overlapped limit", "overlapped limit", "vs non-overlapped",
+                "vs overlapped", "ranks identical"]  # fmt: skip
 
 
 def _target(name: str, goal: str, value: float | None, threshold: float, how: str) -> dict:
@@ -133,24 +136,20 @@ def markdown(result: dict) -> str:
                 r["images_per_s"],
                 r.get("vs_one_bucket", ""),
                 r.get("vs_limit", ""),
+                *_limit_cells(r),
                 r["ranks_identical"],
             ]
             for k, r in cluster["jobs"].items()
         ]
+        mb = cluster.get("float32_gradient_bytes", 0) / 1e6
         parts += [
-            "## Hosts and links: wide_mlp (42 MB of float32 gradients), kmp cluster, tc tbf",
-            markdown_table(
-                [
-                    "link",
-                    "hosts",
-                    "job",
-                    "images/s",
-                    "vs one bucket",
-                    "vs limit",
-                    "ranks identical",
-                ],
-                rows,
-            ),
+            f"## Hosts and links: wide_mlp ({mb:.1f} MB of float32 gradients), kmp cluster, tc tbf",
+            "vs limit = images/s / the independent processes (the compute limit). MB sent = "
+            "bytes each rank sends per step (ring allreduce: 2(N-1)/N of the payload; bf16: an "
+            "allgather, N-1 payloads). Wire, non-overlapped (compute + wire) and overlapped "
+            "(max of the two) limits in images/s, and the job's ratio to the last two "
+            "(docs/performance.md, bench/limits.py).",
+            markdown_table(LINK_HEADERS, rows),
         ]
     errors = {**result["local"]["errors"], **cluster.get("errors", {})}
     if errors:
@@ -159,6 +158,20 @@ def markdown(result: dict) -> str:
             + "\n".join(f"- `{k}`: " + v.strip().splitlines()[-1][:300] for k, v in errors.items())
         )
     return "\n\n".join(parts)
+
+
+def _limit_cells(row: dict) -> list:
+    lim, traffic = row.get("limits"), row.get("traffic")
+    if not lim or not traffic:
+        return ["", "", "", "", "", ""]
+    return [
+        f"{traffic['sent_bytes_per_rank'] / 1e6:.1f}",
+        f"{lim['wire']:.0f}",
+        f"{lim['non_overlapped']:.0f}",
+        f"{lim['overlapped']:.0f}",
+        row["vs_non_overlapped"],
+        row["vs_overlapped"],
+    ]
 
 
 def plot(result: dict, path: Path) -> None:

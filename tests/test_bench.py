@@ -467,6 +467,26 @@ def test_state_bytes_per_master_weights_config_and_their_targets():
     assert not states.targets(figures)[1]["met"]  # 1.0 > 0.70: judged, not assumed
 
 
+def test_limits_of_a_job_from_its_traffic_and_link():
+    lim = _load("limits")
+    assert lim.rate_bits("1gbit") == 1e9 and lim.rate_bits("500mbit") == 5e8
+    with pytest.raises(ValueError, match="tc rate"):
+        lim.rate_bits("fast")
+    assert lim.bytes_sent_per_rank(40e6, 2, "ring_allreduce") == 40e6
+    assert lim.bytes_sent_per_rank(30e6, 3, "ring_allreduce") == pytest.approx(40e6)
+    assert lim.bytes_sent_per_rank(20e6, 3, "allgather") == 40e6
+    assert lim.bytes_sent_per_rank(20e6, 1, "allgather") == 0.0
+    assert lim.job_traffic("kmp_fp16_one_bucket", 40e6) == (20e6, "ring_allreduce")
+    assert lim.job_traffic("kmp_bf16", 40e6) == (20e6, "allgather")
+    assert lim.job_traffic("hvd_tape", 40e6) == (40e6, "ring_allreduce")
+    # 2 ranks x batch 32 in 50 ms of compute; 40 MB each at 1 Gbit/s is 320 ms on the wire.
+    got = lim.limits(1280.0, 32, 2, 40e6, 1e9)
+    assert got["t_compute_s"] == pytest.approx(0.05) and got["t_wire_s"] == pytest.approx(0.32)
+    assert got["wire"] == pytest.approx(200.0)
+    assert got["non_overlapped"] == pytest.approx(64 / 0.37)
+    assert got["overlapped"] == pytest.approx(200.0)
+
+
 # ------------------------------------------------------------------ memory counting
 
 
