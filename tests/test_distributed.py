@@ -188,6 +188,8 @@ def test_collectives_on_two_real_ranks():
             assert res[f"avg_{comp}"] == [1.0, -3.0, 3.0]
             assert res[f"avg_{comp}_dtype"] == "float32"
             assert res[f"max_{comp}"] == [1.5, -2.0, 3.0]
+            assert res[f"scatter_{comp}"] == [[2.0, -6.0, 6.0], [3.0], [3.0, 4.0, 9.0]]
+            assert res[f"scatter_{comp}_dtypes"] == ["float32", "int32", "bfloat16"]
         assert res["allgather"] == [0.0, 0.5, 1.0, 1.5]
         assert res["allgather_scalar"] == [0.0, 1.0]
         assert res["bcast_eager"] == [[[1.0, 1.0], [1.0, 1.0]], 7.0]

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from kmp._imports import INSTALL_HINTS, optional_import
+from kmp.distributed._scatter_reduce import scatter_reduce
 
 __all__ = [
     "allgather",
@@ -153,8 +154,20 @@ def allgather(hvd: ModuleType, tensor: Any) -> Any:
     return hvd.allgather(tensor)
 
 
+# How a compressed (fp16 / bf16) average or sum of floating tensors is reduced:
+# "scatter": kmp/distributed/_scatter_reduce.py (alltoall, one float32 sum in TensorFlow,
+# allgather); "horovod": Horovod's float16 allreduce, or kmp's bf16 allgather-sum.
+# Chosen by bench/compressed.py (docs/performance.md).
+COMPRESSED_PATHS = ("scatter", "horovod")
+COMPRESSED_PATH = "horovod"
+
+
 def grouped_allreduce(
-    hvd: ModuleType, dense: list[Any], op: str, compression: str | None
+    hvd: ModuleType,
+    dense: list[Any],
+    op: str,
+    compression: str | None,
+    path: str = COMPRESSED_PATH,
 ) -> list[Any]:
     """Reduce dense TensorFlow tensors across ranks; each result keeps its input's dtype.
 
@@ -163,6 +176,7 @@ def grouped_allreduce(
         dense: Dense ``tf.Tensor`` objects, same order and shapes on every rank.
         op: A canonical reduction name (``kmp._names.REDUCE_OPS``).
         compression: A canonical compression (None, ``"fp16"`` or ``"bf16"``).
+        path: How a compressed average or sum travels (:data:`COMPRESSED_PATHS`).
 
     Returns:
         The reduced tensors, in order.
@@ -170,6 +184,15 @@ def grouped_allreduce(
     import tensorflow as tf
 
     n = int(hvd.size())
+    floating = [i for i, t in enumerate(dense) if t.dtype.is_floating]
+    if compression and path == "scatter" and op in ("average", "sum") and floating:
+        others = [i for i in range(len(dense)) if i not in floating]
+        out: list[Any] = [None] * len(dense)
+        reduced = scatter_reduce(hvd, [dense[i] for i in floating], op, compression)
+        rest = grouped_allreduce(hvd, [dense[i] for i in others], op, None)
+        for i, r in zip(floating + others, reduced + rest, strict=True):
+            out[i] = r
+        return out
     if compression == "bf16":
         return _bf16_allgather_reduce(hvd, dense, op, n)
     if compression is None and any(t.dtype == tf.bfloat16 for t in dense):

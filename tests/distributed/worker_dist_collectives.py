@@ -42,6 +42,18 @@ def main() -> None:
         out[f"avg_{comp}"] = red.numpy().tolist()
         out[f"avg_{comp}_dtype"] = red.dtype.name
         out[f"max_{comp}"] = dist.allreduce(y, op="max", compression=comp).numpy().tolist()
+    # kmp's scatter path for compressed sums (alltoall, float32 sum, allgather): an int rides
+    # along (ordinary allreduce), a bfloat16 input of odd size is padded, dtypes are kept.
+    from kmp.distributed import _horovod, collectives
+
+    odd = tf.cast(tf.constant([1.0 + r, 2.0, 3.0 * (r + 1)]), tf.bfloat16)
+    for comp in ("fp16", "bf16"):
+        got = _horovod.grouped_allreduce(
+            collectives._engine(), [y, tf.constant([r + 1], tf.int32), odd], "sum", comp,
+            path="scatter",
+        )  # fmt: skip
+        out[f"scatter_{comp}"] = [np.asarray(tf.cast(g, tf.float32)).tolist() for g in got]
+        out[f"scatter_{comp}_dtypes"] = [g.dtype.name for g in got]
     out["allgather"] = dist.allgather(tf.constant([float(r), float(r) + 0.5])).numpy().tolist()
     out["allgather_scalar"] = dist.allgather(tf.constant(float(r))).numpy().tolist()
     # Keras 3 variables: rank 1 starts different, broadcast from rank 0, eagerly and in tf.function.
