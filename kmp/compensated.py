@@ -11,7 +11,7 @@ optimizer (the one :func:`kmp.wrap_optimizer` wraps), on that instance only:
   exact float32 change.
 * That change reaches the weight through the rule: Kahan summation, stochastic rounding
   or round-to-nearest (``"none"``). Weight decay (``_apply_weight_decay``) too.
-* The optimizer's 16-bit slots lose their small steps the same way (Adam's second moment
+* The optimizer's bfloat16 slots lose their small steps the same way (Adam's second moment
   decays by 0.1 % a step: rounded to nearest in bfloat16 it never decays), so under
   ``"kahan"`` and ``"stochastic"`` their new values are rounded stochastically (no extra
   memory); under ``"none"`` Keras rounds them to nearest.
@@ -39,7 +39,7 @@ from kmp.distributed import sparse
 
 __all__ = ["CompensatedUpdates"]
 
-SLOT = "slot"  # an optimizer variable in 16 bits (rounded stochastically)
+SLOT = "slot"  # an optimizer variable in bfloat16 (rounded stochastically)
 
 
 class CompensatedUpdates:
@@ -72,10 +72,11 @@ class CompensatedUpdates:
                     buffer = optimizer.add_variable_from_reference(v, name="kahan_compensation")
                 self._entries[optimizer._var_key(v)] = (mode, index, buffer)
         if any(m in ("kahan", "stochastic") for m, _, _ in self._entries.values()):
-            # The optimizer's 16-bit slots (Adam's moments) are rounded stochastically: plain
+            # The optimizer's bfloat16 slots (Adam's moments) are rounded stochastically: plain
             # rounding loses their small steps too (Adam's second moment would never decay).
+            # float16 slots keep Keras's rounding (11 bits; stochastic rounding is bfloat16's).
             buffers = {id(b) for b in self.buffers}
-            slots = [s for s in optimizer.variables if str(s.dtype) in _mw.LOW_PRECISION]
+            slots = [s for s in optimizer.variables if str(s.dtype) == "bfloat16"]
             for j, s in enumerate(x for x in slots if id(x) not in buffers):
                 self._entries[optimizer._var_key(s)] = (SLOT, len(variables) + j, None)
         if self._entries:

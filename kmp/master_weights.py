@@ -17,7 +17,7 @@ dtype:
   is reproducible from its seed.
 * ``"none"``: round to nearest, as Keras does (lossy; kept for comparison).
 
-:mod:`kmp.compensated` also rounds the optimizer's 16-bit slots stochastically under
+:mod:`kmp.compensated` also rounds the optimizer's bfloat16 slots stochastically under
 ``"kahan"`` and ``"stochastic"`` (:func:`stochastic_round`, with their own indices).
 
 The arithmetic is float32 and written with ``keras.ops``, so the stateful path, the

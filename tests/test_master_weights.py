@@ -186,6 +186,16 @@ def test_the_optimizers_bfloat16_slots_keep_their_small_steps():
     assert second_moment("bfloat16", "none").mean() > 1.2 * exact.mean()  # stuck near 5e-3
 
 
+def test_float16_weights_take_kahan_and_keep_float16_slots():
+    v = keras.Variable(np.ones((4,), "float32"), dtype="float16")
+    opt = kmp.wrap_optimizer(keras.optimizers.Adam(1e-3), master_weights="auto")
+    opt.apply([ops.full((4,), 1.0 / 3.0, "float16")], [v])
+    assert opt.compensated.modes[v.path] == "kahan"
+    momentum = as_float(opt.inner_optimizer.variables[2])  # 0.1 x 1/3, in float16's 11 bits
+    assert str(opt.inner_optimizer.variables[2].dtype) == "float16"
+    np.testing.assert_allclose(momentum, 1.0 / 30.0, atol=3e-5)
+
+
 OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adamax", "Adagrad", "RMSprop", "Nadam", "Lion", "Lamb",
               "Adafactor"]  # fmt: skip
 
