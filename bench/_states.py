@@ -49,6 +49,7 @@ def measure(config: str, quick: bool, steps: int, tf_memory) -> dict:
     import keras
 
     import kmp
+    from kmp.master_weights import state_bytes
 
     policy, _, mode = config.partition("+")
     width, depth = (QUICK_WIDTH, QUICK_DEPTH) if quick else (WIDTH, DEPTH)
@@ -77,10 +78,7 @@ def measure(config: str, quick: bool, steps: int, tf_memory) -> dict:
         for _ in range(2):  # trace, build the optimizer
             model.train_on_batch(x, y)
         params = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
-        counted = sum(
-            int(np.prod(v.shape)) * (2 if "16" in v.dtype else np.dtype(v.dtype).itemsize)
-            for v in [*model.weights, *model.optimizer.variables]
-        )
+        counted = state_bytes(model)
         result = {
             "config": config,
             "params": params,

@@ -138,14 +138,13 @@ class CompensatedUpdates:
         def apply_weight_decay(variables: list) -> None:
             if opt.weight_decay is None:
                 return
-            keras_decay([v for v in variables if self._entry(v) is None])
-            for v in variables:
-                entry = self._entry(v)
+            entries = [(v, self._entry(v)) for v in variables]
+            keras_decay([v for v, entry in entries if entry is None])
+            rate = ops.multiply(
+                ops.cast(opt.learning_rate, "float32"), ops.cast(opt.weight_decay, "float32")
+            )
+            for v, entry in entries:
                 if entry is not None and opt._use_weight_decay(v):
-                    rate = ops.multiply(
-                        ops.cast(opt.learning_rate, "float32"),
-                        ops.cast(opt.weight_decay, "float32"),
-                    )
                     self._add(v, ops.negative(ops.multiply(ops.cast(v, "float32"), rate)), entry)
 
         opt.update_step, opt._var_key = update_step, var_key

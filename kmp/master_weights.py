@@ -37,16 +37,19 @@ from kmp._names import MASTER_WEIGHTS
 
 __all__ = [
     "DEFAULT_MASTER_WEIGHTS",
+    "DEFAULT_ROUNDING_SEED",
     "LOW_PRECISION",
     "MASTER_WEIGHTS",
     "check_master_weights",
     "compensated_add",
     "random_bits",
+    "state_bytes",
     "stochastic_round",
     "update_mode",
 ]
 
 DEFAULT_MASTER_WEIGHTS = "auto"
+DEFAULT_ROUNDING_SEED = 0
 LOW_PRECISION = ("float16", "bfloat16")
 EXACT = "exact"  # what update_mode says for a float32 (or wider) weight
 
@@ -119,6 +122,23 @@ def compensated_add(weight: Any, compensation: Any, delta: Any) -> tuple[Any, An
     )
     rounded = ops.cast(exact, dtype)
     return rounded, ops.cast(ops.subtract(exact, ops.cast(rounded, "float32")), dtype)
+
+
+def state_bytes(model: Any) -> int:
+    """Bytes held by a compiled model's weights and its optimizer's variables.
+
+    What the master-weights modes change: 12 bytes per parameter for float32 weights with
+    Adam, 8 with bfloat16 weights and Kahan buffers, 6 without buffers.
+    """
+    import numpy as np
+
+    def nbytes(v: Any) -> int:
+        dtype = keras.backend.standardize_dtype(v.dtype)
+        size = 2 if dtype in LOW_PRECISION else np.dtype(dtype).itemsize
+        return int(np.prod(v.shape)) * size
+
+    optimizer = getattr(model, "optimizer", None)
+    return sum(nbytes(v) for v in [*model.weights, *(optimizer.variables if optimizer else [])])
 
 
 def _as_int32(value: int) -> int:

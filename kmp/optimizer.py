@@ -60,7 +60,7 @@ DEFAULTS: dict[str, Any] = {
     "bucket_bytes": DEFAULT_BUCKET_BYTES,
     "sparse_gradients": DEFAULT_SPARSE_GRADIENTS,
     "master_weights": _mw.DEFAULT_MASTER_WEIGHTS,
-    "rounding_seed": 0,
+    "rounding_seed": _mw.DEFAULT_ROUNDING_SEED,
 }
 
 

@@ -79,7 +79,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
         sparse_gradients: str = sparse.DEFAULT_SPARSE_GRADIENTS,
         master_weights: str = _mw.DEFAULT_MASTER_WEIGHTS,
-        rounding_seed: int = 0,
+        rounding_seed: int = _mw.DEFAULT_ROUNDING_SEED,
         name: str | None = None,
         **knobs: Any,
     ):

@@ -415,12 +415,10 @@ def state_bytes_per_param(model) -> float:
     """Bytes of the weights and the optimizer's variables per trainable parameter."""
     import numpy as np
 
-    def nbytes(v) -> int:
-        return int(np.prod(v.shape)) * np.dtype(v.dtype.replace("bfloat16", "float16")).itemsize
+    from kmp.master_weights import state_bytes
 
     params = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
-    held = sum(nbytes(v) for v in [*model.weights, *model.optimizer.variables])
-    return held / max(params, 1)
+    return state_bytes(model) / max(params, 1)
 
 
 def weights_max_diff(variables, kmp) -> float:

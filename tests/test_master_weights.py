@@ -238,10 +238,8 @@ def test_weight_decay_is_compensated_too():
 
 
 def state_bytes_per_param(model) -> float:
-    held = [*model.weights, *model.optimizer.variables]
     params = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
-    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype.replace("bfloat16", "float16")).itemsize
-               for v in held) / params  # fmt: skip
+    return mw.state_bytes(model) / params
 
 
 def compiled(policy: str, mode: str, seed: int = 0):

@@ -184,27 +184,22 @@ def grouped_allreduce(
     import tensorflow as tf
 
     n = int(hvd.size())
+
+    def plain(tensors: list[Any]) -> list[Any]:
+        return grouped_allreduce(hvd, tensors, op, None)
+
     floating = [i for i, t in enumerate(dense) if t.dtype.is_floating]
     if compression and path == "scatter" and op in ("average", "sum") and floating:
-        others = [i for i in range(len(dense)) if i not in floating]
-        out: list[Any] = [None] * len(dense)
-        reduced = scatter_reduce(hvd, [dense[i] for i in floating], op, compression)
-        rest = grouped_allreduce(hvd, [dense[i] for i in others], op, None)
-        for i, r in zip(floating + others, reduced + rest, strict=True):
-            out[i] = r
-        return out
+        return _partitioned(
+            dense, floating, lambda ts: scatter_reduce(hvd, ts, op, compression), plain
+        )
     if compression == "bf16":
-        return _bf16_allgather_reduce(hvd, dense, op, n)
-    if compression is None and any(t.dtype == tf.bfloat16 for t in dense):
+        return _partitioned(dense, floating, lambda ts: _bf16_gather_reduce(hvd, ts, op, n), plain)
+    bf16 = [i for i, t in enumerate(dense) if t.dtype == tf.bfloat16]
+    if compression is None and bf16:
         # Horovod has no bfloat16 reduction: bfloat16 tensors (the gradients of bfloat16
         # weights) travel as they are through the allgather path, the rest as usual.
-        wide = [i for i, t in enumerate(dense) if t.dtype != tf.bfloat16]
-        out = _bf16_allgather_reduce(hvd, dense, op, n, only_bfloat16=True)
-        for i, r in zip(
-            wide, grouped_allreduce(hvd, [dense[i] for i in wide], op, None), strict=True
-        ):
-            out[i] = r
-        return out
+        return _partitioned(dense, bf16, lambda ts: _bf16_gather_reduce(hvd, ts, op, n), plain)
     sent = [
         tf.cast(t, tf.float16) if compression == "fp16" and t.dtype.is_floating else t
         for t in dense
@@ -232,45 +227,41 @@ def _grouped_by_dtype(hvd: ModuleType, tensors: list[Any], **kwargs: Any) -> lis
     return out
 
 
-def _bf16_allgather_reduce(
-    hvd: ModuleType, dense: list[Any], op: str, n: int, only_bfloat16: bool = False
+def _partitioned(
+    tensors: list[Any], chosen: list[int], reduce_chosen: Any, reduce_rest: Any
 ) -> list[Any]:
+    """Reduce the ``chosen`` positions with one function and the rest with another, in order."""
+    rest = [i for i in range(len(tensors)) if i not in chosen]
+    out: list[Any] = [None] * len(tensors)
+    for positions, reduce in ((chosen, reduce_chosen), (rest, reduce_rest)):
+        if positions:
+            reduced = reduce([tensors[i] for i in positions])
+            for i, r in zip(positions, reduced, strict=True):
+                out[i] = r
+    return out
+
+
+def _bf16_gather_reduce(hvd: ModuleType, floating: list[Any], op: str, n: int) -> list[Any]:
     """Reduce floating tensors as bfloat16 bit patterns: one fused allgather, local float32 math.
 
-    Horovod has no bfloat16 reduction. The floating tensors are cast to bfloat16,
-    sent as int16 bit patterns with one grouped allgather and reduced here in
-    float32; non-floating tensors take the ordinary allreduce. With ``only_bfloat16``
-    only the bfloat16 tensors are reduced and the other places are left None.
+    Horovod has no bfloat16 reduction. The tensors are cast to bfloat16, sent as int16 bit
+    patterns with one grouped allgather and reduced here in float32, in rank order.
     """
     import tensorflow as tf
 
-    if only_bfloat16:
-        floating, others = [i for i, t in enumerate(dense) if t.dtype == tf.bfloat16], []
-    else:
-        floating = [i for i, t in enumerate(dense) if t.dtype.is_floating]
-        others = [i for i in range(len(dense)) if i not in floating]
-    out: list[Any] = [None] * len(dense)
-    if floating:
-        bits = [
-            tf.bitcast(tf.reshape(tf.cast(dense[i], tf.bfloat16), [-1]), tf.int16) for i in floating
-        ]
-        gathered = hvd.grouped_allgather(bits)
-        reducer = {
-            "average": tf.reduce_mean,
-            "sum": tf.reduce_sum,
-            "min": tf.reduce_min,
-            "max": tf.reduce_max,
-            "product": tf.reduce_prod,
-        }[op]
-        for i, g in zip(floating, gathered, strict=True):
-            values = tf.cast(tf.bitcast(g, tf.bfloat16), tf.float32)
-            values = tf.reshape(values, [n, -1])
-            red = tf.reshape(reducer(values, axis=0), tf.shape(dense[i]))
-            out[i] = tf.cast(red, dense[i].dtype)
-    if others:
-        rest = _grouped_by_dtype(hvd, [dense[i] for i in others], op=_op(hvd, op))
-        for i, r in zip(others, rest, strict=True):
-            out[i] = r
+    bits = [tf.bitcast(tf.reshape(tf.cast(t, tf.bfloat16), [-1]), tf.int16) for t in floating]
+    gathered = hvd.grouped_allgather(bits)
+    reducer = {
+        "average": tf.reduce_mean,
+        "sum": tf.reduce_sum,
+        "min": tf.reduce_min,
+        "max": tf.reduce_max,
+        "product": tf.reduce_prod,
+    }[op]
+    out = []
+    for t, g in zip(floating, gathered, strict=True):
+        values = tf.reshape(tf.cast(tf.bitcast(g, tf.bfloat16), tf.float32), [n, -1])
+        out.append(tf.cast(tf.reshape(reducer(values, axis=0), tf.shape(t)), t.dtype))
     return out
 
 

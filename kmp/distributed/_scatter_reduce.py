@@ -62,8 +62,8 @@ def scatter_reduce(hvd: ModuleType, tensors: list[Any], op: str, compression: st
     reduced = receive(hvd.allgather(send(tf.cast(summed, wire)[None])))  # [n, chunk]
     values = tf.reshape(reduced, [-1])[:total]
     out, start = [], 0
-    for t in tensors:
-        size = int(tf.size(t)) if t.shape.num_elements() is None else t.shape.num_elements()
+    for t in tensors:  # static shapes, as in a traced training step
+        size = t.shape.num_elements()
         out.append(tf.cast(tf.reshape(values[start : start + size], tf.shape(t)), t.dtype))
         start += size
     return out
