@@ -27,6 +27,11 @@ from types import ModuleType
 import numpy as np
 
 MODELS = ("digits_cnn", "cnn", "mlp", "wide_mlp", "resnet50")
+# Token models (language models, inputs int32 token ids, targets the next token):
+# name -> (sequence length, vocabulary, width, depth). ``gpt`` is launch/train.py's byte-level
+# GPT; ``embed_lm`` the same transformer, one block, over a 16,384-token vocabulary, so an
+# Embedding (and the logits' Dense) of 8 MB each dominates its gradients.
+TOKEN_MODELS = {"gpt": (64, 256, 128, 2), "embed_lm": (16, 16384, 128, 1)}
 DEFAULT_IMAGE_SIZE = {"digits_cnn": 8, "cnn": 32, "mlp": 28, "wide_mlp": 28, "resnet50": 64}
 CHANNELS = {"digits_cnn": 1, "cnn": 3, "mlp": 1, "wide_mlp": 1, "resnet50": 3}
 # Smallest side each model accepts (its pooling must leave at least one pixel).
@@ -104,8 +109,11 @@ def input_shape(name: str, image_size: int | None = None) -> tuple[int, ...]:
 def build(name: str, image_size: int | None = None, num_classes: int = 10):
     """Return the uncompiled model ``name`` with float32 outputs.
 
+    Token models end in a softmax (probabilities, as the image models'), so every
+    peer of ``peer_worker.py`` trains them with the same loss.
+
     Args:
-        name: One of :data:`MODELS`.
+        name: One of :data:`MODELS` or :data:`TOKEN_MODELS`.
         image_size: Side of the square input images (default as in :func:`input_shape`).
         num_classes: Number of output classes.
     """
@@ -113,6 +121,12 @@ def build(name: str, image_size: int | None = None, num_classes: int = 10):
 
     import kmp
 
+    if name in TOKEN_MODELS:
+        seq_len, vocab, width, depth = TOKEN_MODELS[name]
+        workloads = _train_script().workloads
+        model = workloads.build_gpt(seq_len=seq_len, vocab_size=vocab, width=width, depth=depth)
+        probs = keras.layers.Activation("softmax", name="probs")(model.output)
+        return kmp.float32_outputs(keras.Model(model.input, probs, name=name))
     shape = input_shape(name, image_size)
     if name in ("digits_cnn", "resnet50"):
         model = _train_script().build_model(name, shape, num_classes, "float32")
@@ -142,8 +156,10 @@ def batch(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Return one synthetic ``(images, labels)`` batch for model ``name``.
 
+    For a token model, ``(tokens, next tokens)``: ``[batch_size, seq_len]`` int32 each.
+
     Args:
-        name: One of :data:`MODELS`.
+        name: One of :data:`MODELS` or :data:`TOKEN_MODELS`.
         batch_size: Number of examples.
         image_size: Side of the square images (default as in :func:`input_shape`).
         num_classes: Labels are drawn from ``0 .. num_classes - 1``.
@@ -152,5 +168,9 @@ def batch(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
     rng = np.random.default_rng(seed)
+    if name in TOKEN_MODELS:
+        seq_len, vocab, *_ = TOKEN_MODELS[name]
+        tokens = rng.integers(0, vocab, (batch_size, seq_len + 1)).astype("int32")
+        return tokens[:, :-1], tokens[:, 1:]
     x = rng.random((batch_size, *input_shape(name, image_size)), dtype=np.float32)
     return x, rng.integers(0, num_classes, batch_size).astype("int32")

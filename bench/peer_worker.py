@@ -4,9 +4,10 @@
         [--steps 12] [--bucket-bytes N | --one-bucket] [--compression fp16]
         [--workers HOST:PORT,...] [--threads 1]
 
-Started by ``bench/peers.py`` (under ``horovodrun``, which for every peer is
-only the process starter: each rank reads ``HOROVOD_RANK`` / ``HOROVOD_SIZE``;
-only the Horovod peers call ``hvd.init``). Peers:
+Started by ``bench/peers.py`` and ``bench/transformer.py`` (under ``horovodrun``,
+which for every peer is only the process starter: each rank reads its rank and size
+from the launcher's environment; only the Horovod peers call ``hvd.init``; the kmp
+peer on the JAX backend is started by ``kmp launch --engine jax`` instead). Peers:
 
 * ``independent``: plain Keras ``model.fit`` with no communication at all; run
   on every rank at once, their sum is the limit of the machine or cluster.
@@ -18,8 +19,10 @@ only the Horovod peers call ``hvd.init``). Peers:
   ``model.fit``; ``--workers`` gives every worker's address (rank order).
 
 ``digits_cnn`` trains on the real digits that scikit-learn ships (each rank its
-shard, reshuffled every epoch) and reports the test accuracy; other models get
-one synthetic batch repeated (throughput only). The first epoch traces and is
+shard, reshuffled every epoch) and reports the test accuracy; other models (the
+token models ``gpt`` and ``embed_lm`` too) get one synthetic batch repeated
+(throughput only). On JAX every peer compiles the whole step
+(``kmp.xla.step_jit_compile``). The first epoch traces and is
 not timed. Each rank writes ``rankR.json``: images/s of every timed epoch, the
 accuracy, and a checksum of the weights (equal on every rank of a synchronised
 peer).
@@ -53,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-bytes", type=int, default=None)
     p.add_argument("--one-bucket", action="store_true", help="kmp: bucket_bytes=None")
     p.add_argument("--compression", default=None, choices=("fp16", "bf16"))
+    p.add_argument("--sparse-gradients", default=None, help="kmp: dense or gather (default: kmp's)")
     p.add_argument("--workers", default="", help="mwms: HOST:PORT of every worker, rank order")
     p.add_argument("--threads", type=int, default=1, help="TensorFlow intra-op threads")
     p.add_argument(
@@ -71,10 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def launcher_rank() -> tuple[int, int]:
-    """(rank, size) as horovodrun announced them; (0, 1) without a launcher."""
-    from kmp._launcher_env import launched_world_size
+    """(rank, size) as the launcher (horovodrun or kmp launch) announced them; (0, 1) alone."""
+    from kmp._launcher_env import launched_rank, launched_world_size
 
-    return int(os.environ.get("HOROVOD_RANK", 0)), launched_world_size() or 1
+    return launched_rank() or 0, launched_world_size() or 1
 
 
 # ---------------------------------------------------------------------- data
@@ -139,11 +143,14 @@ class EpochTimer:
 
 
 def _compile(model, optimizer, jit: bool = False) -> None:
+    """Compile as every peer does; on JAX always with XLA (kmp.xla.step_jit_compile)."""
+    import kmp
+
     model.compile(
         optimizer=optimizer,
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
-        jit_compile=jit,
+        jit_compile=jit or kmp.xla.step_jit_compile(),
     )
 
 
@@ -170,6 +177,8 @@ def run_kmp(args, rank, size, timer) -> object:
     data, steps, _ = dataset(args, rank, size, args.batch)
     model = models.build(args.model)
     kwargs = {"compression": args.compression}
+    if args.sparse_gradients:
+        kwargs["sparse_gradients"] = args.sparse_gradients
     if args.one_bucket or args.bucket_bytes is not None:
         kwargs["bucket_bytes"] = None if args.one_bucket else args.bucket_bytes
     opt = kmp.wrap_optimizer(keras.optimizers.SGD(LEARNING_RATE), scale_lr=True, **kwargs)

@@ -135,8 +135,13 @@ def job(
     via: list[str] | None = None,
     nic: str | None = None,
     model_args: list[str],
+    engine: str = "horovod",
 ) -> list[dict]:
-    """Run one horovodrun job of ``peer_worker.py``; return the ranks' results."""
+    """Run one job of ``peer_worker.py``; return the ranks' results.
+
+    ``horovodrun`` starts it; with ``engine="jax"``, ``kmp launch --engine jax`` (the
+    kmp peer then trains on the JAX engine; ``env`` must hold ``KERAS_BACKEND=jax``).
+    """
     shutil.rmtree(out, ignore_errors=True)
     argv = [PY, str(HERE / "peer_worker.py"), "--peer", peer, "--out", str(out)]
     argv += [*model_args, *extra]
@@ -144,7 +149,11 @@ def job(
         names = [h.split(":")[0] for h in hosts.split(",") for _ in range(int(h.split(":")[1]))]
         ports = [MWMS_PORT + i for i in range(len(names))]
         argv += ["--workers", ",".join(f"{n}:{p}" for n, p in zip(names, ports, strict=True))]
-    cmd = [HOROVODRUN, "--gloo", "-np", str(np_), "-H", hosts]
+    if engine == "jax":  # kmp launch starts the script with this Python itself
+        argv = argv[1:]
+        cmd = [PY, "-m", "kmp.cli", "launch", "--engine", "jax", "-np", str(np_), "-H", hosts]
+    else:
+        cmd = [HOROVODRUN, "--gloo", "-np", str(np_), "-H", hosts]
     cmd += ["--network-interface", nic] if nic else []
     cmd = [*(via or []), *cmd, *argv]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -20,9 +20,11 @@ wrap it a second time. It works in ``model.fit`` and in a custom loop::
     grads = tape.gradient(scaled, model.trainable_variables)
     opt.apply(grads, model.trainable_variables)  # allreduce, check, unscale, apply
 
-Multi-process averaging needs the TensorFlow backend (Horovod's collectives are
-TensorFlow ops) and ``jit_compile=False`` (this Horovod build has no XLA
-kernels). On the JAX and PyTorch backends a single process gets the loss scaling.
+On the Horovod engine, multi-process averaging needs the TensorFlow backend
+(Horovod's collectives are TensorFlow ops) and ``jit_compile=False`` (this Horovod
+build has no XLA kernels). On the JAX engine Keras averages the gradients inside
+the compiled step, which needs ``jit_compile=True``; :func:`kmp.xla.step_jit_compile`
+gives the right value for either. On PyTorch a single process gets the loss scaling.
 """
 
 from __future__ import annotations

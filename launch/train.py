@@ -631,6 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path, initial_epoch = kmp.distributed.broadcast_object(found, root=0)
     if path and os.path.exists(path):
         model = kmp.load_model(path)  # registers kmp's layer and optimizer classes first
+        model.jit_compile = kmp.xla.step_jit_compile()  # this backend's, not the saver's
         log(f"resumed from {path}: epoch {initial_epoch}, loss scale {loss_scale_of(model)[0]}")
     else:
         model = build_model(args.model, image_shape, spec.num_classes, choice.compute_dtype)
@@ -638,7 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.compile(
             optimizer=make_optimizer(args, kmp, steps, world.size),
             **workloads.compile_args(args.model, args.elastic),
-            jit_compile=False,
+            jit_compile=kmp.xla.step_jit_compile(),
         )
         if path:
             print(f"rank {world.rank}: cannot read {path}; taking rank 0's state", flush=True)
@@ -749,6 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "state_bytes_per_param": state_bytes_per_param(model),
         "ranks": world.size,
         "engine": world.engine,
+        "jit_compile": bool(model.jit_compile),  # the whole step under XLA (JAX: kmp.xla)
         "batch_size_per_rank": args.batch_size,
         "steps_per_epoch": steps,
         "resumed_from": path,

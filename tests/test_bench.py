@@ -717,3 +717,60 @@ def test_engines_table_puts_both_engines_side_by_side():
     assert lines[2].startswith("| float32 | horovod | 0 | 0 | 0.9600 | 2000 |")  # policy order
     assert lines[3].endswith("| 500 | 0.25x |")
     assert lines[5] == "| mixed_float16 | jax | 0 | 1 | 0.9600 | 250 | 0.25x |"
+
+
+def test_engine_profile_splits_the_jax_engines_step():
+    profile = _load("engine_profile")
+    alone = {"images_per_sec": 1000.0}
+    jobs = {
+        "tf_alone": [alone],
+        "jax_alone": [{"images_per_sec": 1200.0, "compiled_step_ms": 5.0}],
+        "jax_pair": [{"images_per_sec": 800.0, "compiled_step_ms": 6.0}] * 2,
+        "jax_engine": [
+            {
+                "images_per_sec": 2000.0,
+                "fit_ms": 25.0,
+                "compiled_step_ms": 22.0,
+                "allreduce_ms": 9.0,
+                "allreduce_flat_ms": 2.0,
+            }
+        ],
+        "horovod": [{"images_per_sec": 2500.0}],
+    }
+    split = profile.breakdown(jobs)
+    assert split == {"fit_ms": 25.0, "compute_ms": 6.0, "allreduce_ms": 9.0,
+                     "allreduce_flat_ms": 2.0, "rest_ms": 7.0, "host_ms": 3.0}  # fmt: skip
+    md = profile.table({"policies": {"float32": jobs}, "breakdown": {"float32": split}})
+    row = next(line for line in md.splitlines() if line.startswith("| float32 | 1000 |"))
+    # images/s per job (the pair summed), then jax/tf, jax engine/horovod, engine/pair, hvd/pair
+    assert row == "| float32 | 1000 | 1200 | 1600 | 2000 | 2500 | 1.20 | 0.80 | 1.25 | 1.56 |"
+    assert "| float32 | 25.00 | 6.00 | 9.00 | 2.00 | 7.00 | 3.00 |" in md
+
+
+def test_transformer_bench_counts_each_jobs_bytes_and_limits():
+    tr = _load("transformer")
+    models = _load("models")
+    seq_len, vocab, width, _ = models.TOKEN_MODELS["embed_lm"]
+    x, y = models.batch("embed_lm", 4, seed=1)
+    assert x.shape == y.shape == (4, seq_len) and x.dtype == "int32"
+    assert (x[:, 1:] == y[:, :-1]).all()  # the targets are the next tokens
+    params = int(models.build("embed_lm").count_params())
+    dense, how = tr.sent_bytes("embed_lm", "kmp_dense", 2)
+    assert (dense, how) == (4.0 * params, "ring_allreduce")  # 2 ranks: one payload each way
+    assert tr.sent_bytes("embed_lm", "kmp_jax", 2)[0] == dense  # XLA sums dense gradients
+    gathered, how = tr.sent_bytes("embed_lm", "kmp", 2)
+    rows = tr.BATCH["embed_lm"] * seq_len * (4 * width + tr.INDEX_BYTES)
+    assert how == "ring_allreduce + allgather"
+    assert gathered == pytest.approx(4.0 * (params - vocab * width) + rows)
+    jobs = {
+        "1gbit/2/embed_lm/independent": {"images_per_s": 400.0, "ranks_identical": False},
+        "1gbit/2/embed_lm/kmp_dense": {"images_per_s": 100.0, "ranks_identical": True},
+        "1gbit/2/embed_lm/kmp_jax": {"images_per_s": 90.0, "ranks_identical": True},
+    }
+    out = tr.derive(jobs)
+    row = out["1gbit/2/embed_lm/kmp_dense"]
+    assert row["tokens_per_s"] == 100.0 * seq_len
+    t_compute, t_wire = 64 / 400.0, dense * 8 / 1e9
+    assert row["vs_compute"] == pytest.approx(100.0 / 400.0, abs=1e-3)
+    assert row["vs_non_overlapped"] == pytest.approx(100.0 * (t_compute + t_wire) / 64, abs=1e-3)
+    assert "vs_compute" not in out["1gbit/2/embed_lm/kmp_jax"]  # no JAX compute limit measured

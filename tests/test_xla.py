@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kmp
-from kmp.xla import jit_gradients
+from kmp.xla import jit_gradients, step_jit_compile
 
 
 def _model(seed: int = 0) -> keras.Model:
@@ -89,3 +89,11 @@ def test_bad_models_are_refused_before_anything_is_traced():
 
 def test_jit_gradients_is_reachable_from_kmp():
     assert kmp.xla.jit_gradients is jit_gradients
+
+
+def test_step_jit_compile_is_one_rule_per_backend():
+    assert step_jit_compile("tensorflow") is False  # Horovod's ops: no XLA kernels
+    assert step_jit_compile("jax") is True  # else Keras runs each JAX step op by op
+    assert step_jit_compile() is (keras.backend.backend() == "jax")
+    with pytest.raises(TypeError, match="backend name"):
+        step_jit_compile(3)

@@ -136,7 +136,7 @@ def test_two_hosts_on_the_jax_engine_overflow_on_one_process(hosts, env, tmp_pat
     out = proc.stdout + proc.stderr
     assert "joins the JAX job at h1:" in out  # the coordinator runs on the first host
     runs = check_training(tmp_path, "2x1", out)
-    assert runs[0]["engine"] == "jax"
+    assert runs[0]["engine"] == "jax" and runs[0]["jit_compile"] is True
 
 
 def test_two_hosts_two_slots_gloo_through_the_hostfile_script(hosts, env, tmp_path):
