@@ -41,6 +41,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from kmp._names import SPARSE_GRADIENTS  # noqa: E402  (the vocabulary only: nothing heavy)
+
 PEERS = ("independent", "kmp", "hvd_tape", "mwms")
 LEARNING_RATE = 0.05  # per rank of 64 images; scaled by the number of ranks
 
@@ -56,7 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-bytes", type=int, default=None)
     p.add_argument("--one-bucket", action="store_true", help="kmp: bucket_bytes=None")
     p.add_argument("--compression", default=None, choices=("fp16", "bf16"))
-    p.add_argument("--sparse-gradients", default=None, help="kmp: dense or gather (default: kmp's)")
+    p.add_argument(
+        "--sparse-gradients", default=None, choices=SPARSE_GRADIENTS, help="kmp (default: kmp's)"
+    )
     p.add_argument("--workers", default="", help="mwms: HOST:PORT of every worker, rank order")
     p.add_argument("--threads", type=int, default=1, help="TensorFlow intra-op threads")
     p.add_argument(

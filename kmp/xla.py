@@ -33,7 +33,7 @@ def step_jit_compile(backend: str | None = None) -> bool:
     Keras compiles the whole step, kmp's optimizer and the JAX engine's collectives
     included; with ``False`` Keras runs every step op by op, and the loss scale's
     ``cond`` is compiled again at each one (measured on the digits CNN, one process on
-    2 cores: 57 against 3,900 images/s under mixed_float16, docs/performance.md).
+    2 cores: 56 against 3,524 images/s under mixed_float16, docs/performance.md).
 
     Args:
         backend: ``"tensorflow"``, ``"jax"`` or another Keras backend name.
