@@ -7,13 +7,15 @@ anything themselves. A variable that is set to something other than a number
 of the right kind raises :class:`ValueError` naming the variable, whichever
 kind it is.
 
-This module imports nothing from kmp.
+This module imports only kmp._names (the engine names) from kmp.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+
+from kmp._names import ENGINE_NAMES
 
 __all__ = [
     "COORDINATOR_VAR",
@@ -41,7 +43,6 @@ __all__ = [
 ENGINE_VAR = "KMP_ENGINE"
 COORDINATOR_VAR = "KMP_COORDINATOR"
 JAX_TIMEOUT_VAR = "KMP_JAX_TIMEOUT"
-ENGINE_NAMES = ("horovod", "jax")
 # Set by kmp's own local launcher (kmp.commands.local_run) for JAX-engine jobs:
 # rank, size, local rank, local size.
 LOCAL_RUN_VARS = ("KMP_RANK", "KMP_SIZE", "KMP_LOCAL_RANK", "KMP_LOCAL_SIZE")

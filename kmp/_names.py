@@ -1,6 +1,6 @@
 """kmp's vocabularies: every accepted name, and its canonical form, in one place.
 
-Policy names, loss-scale settings, master-weight modes, gradient compressions,
+Engine names, policy names, loss-scale settings, master-weight modes, gradient compressions,
 sparse-gradient strategies and reduction ops are
 read here by every path (Keras 3, the JAX engine, TF1 graphs, tf-keras), so a
 name accepted by one is accepted by all, and every error lists the same
@@ -13,6 +13,8 @@ from typing import Any
 
 __all__ = [
     "COMPRESSIONS",
+    "ENGINE_CHOICES",
+    "ENGINE_NAMES",
     "LOSS_SCALE_KINDS",
     "LOSS_SCALE_MODES",
     "MASTER_WEIGHTS",
@@ -27,6 +29,14 @@ __all__ = [
     "normalize_policy",
     "normalize_reduce_op",
 ]
+
+# ------------------------------------------------------------------------ engines
+
+# The engines that run kmp's collectives: Horovod (TensorFlow backend) and JAX's own
+# multi-process runtime (JAX backend). What `kmp launch --engine` and KMP_ENGINE take.
+ENGINE_NAMES: tuple[str, ...] = ("horovod", "jax")
+# What kmp.distributed.init(engine=) takes: "auto" follows the launcher, then the Keras backend.
+ENGINE_CHOICES: tuple[str, ...] = ("auto", *ENGINE_NAMES)
 
 # ----------------------------------------------------------------------- policies
 

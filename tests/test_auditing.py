@@ -547,7 +547,7 @@ def _hub():
 def _zoo():
     """The tiny KerasHub builders shared with the zoo tests (tests/_zoo.py)."""
     _hub()
-    import _zoo
+    from tests import _zoo
 
     return _zoo
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from conftest import requires_horovod, run_workers
 
 from kmp import data, datasets
+from tests._support import requires_horovod, run_workers
 
 
 class TinyTestImages(tfds.core.GeneratorBasedBuilder):

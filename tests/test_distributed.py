@@ -6,13 +6,13 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import patch_tf_gpus, requires_horovod, run_workers
 
 import kmp
 import kmp._launcher_env as launcher_env
 import kmp._names as names
 import kmp.distributed as dist
 from kmp.distributed.world import _configure_local_gpu
+from tests._support import patch_tf_gpus, requires_horovod, run_workers
 
 LAUNCH_VARS = (*dist.LAUNCH_SIZE_VARS, "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 

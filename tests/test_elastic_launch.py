@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, requires_horovod
 
 from kmp.commands import discover, launch
 from kmp.commands.elastic_launch import ElasticOptions, check_discovery, elastic_args
 from kmp.commands.hosts import Host, LaunchError, parse_discovery_output
+from tests._support import ROOT, requires_horovod
 
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
 

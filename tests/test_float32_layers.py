@@ -3,11 +3,11 @@
 import keras
 import numpy as np
 import pytest
-from test_layers import GPU_HW, sequential  # the same fixtures as kmp.layers' tests
 
 import kmp
 from kmp.float32_layers import walk_layers
 from kmp.layers import Float32Output
+from tests.test_layers import GPU_HW, sequential  # the same fixtures as kmp.layers' tests
 
 ATTENTION = "block0_attention"
 ATTENTION_LAYERS = [
@@ -202,7 +202,7 @@ def test_keep_float32_in_a_subclassed_model():
 
 def test_keep_float32_in_a_keras_hub_model():
     pytest.importorskip("keras_hub", reason="KerasHub models need keras-hub installed")
-    import _zoo
+    from tests import _zoo
 
     kmp.enable("mixed_float16", hardware=GPU_HW)
     lm = kmp.float32_outputs(_zoo.gpt2_causal_lm())  # its head's matmul in float16

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FakeTFConfig, gpus, patch_tf_gpus
 
 import kmp
 import kmp._launcher_env as launcher_env
 from kmp import gpu
+from tests._support import FakeTFConfig, gpus, patch_tf_gpus
 
 # ------------------------------------------------------------------ plan_gpus
 

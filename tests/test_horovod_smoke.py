@@ -1,4 +1,4 @@
-from conftest import requires_horovod, run_workers
+from tests._support import requires_horovod, run_workers
 
 
 @requires_horovod

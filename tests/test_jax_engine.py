@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, requires_horovod, run_workers
 
 from kmp import _launcher_env as env
 from kmp.commands.engine_launch import jax_env, pick_port, port_is_free
 from kmp.commands.hosts import Host, LaunchError
 from kmp.commands.launch import build_command
 from kmp.distributed.engines import choose_engine
+from tests._support import ROOT, requires_horovod, run_workers
 
 WORKER = ROOT / "tests" / "distributed" / "worker_jax_engine.py"
 SEED_WORKER = ROOT / "tests" / "distributed" / "worker_jax_seed.py"

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, requires_horovod
 
 from kmp.commands import launch
 from kmp.commands.launch import Host, LaunchError, build_command, parse_hostfile, parse_hosts
+from tests._support import ROOT, requires_horovod
 
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
 

@@ -23,12 +23,12 @@ import sys
 import keras
 import numpy as np
 import pytest
-from conftest import ROOT
 
 import kmp
 import kmp.distributed as dist
 from kmp import loss_scale as ls
 from kmp._checks import NOT_GIVEN
+from tests._support import ROOT
 
 F, N = True, False  # a finite step, an overflowing step
 SEQUENCE = [F, F, F, N, F, F, F, F, F, F, N, N, N, N, N, N, F, N, F, F, F, F, F, F, N, F, F]

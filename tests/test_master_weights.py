@@ -11,12 +11,12 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from conftest import requires_horovod, run_workers
 from keras import ops
 
 import kmp
 from kmp import master_weights as mw
 from kmp.elastic import KerasState
+from tests._support import requires_horovod, run_workers
 
 MODES = ("kahan", "stochastic", "none")
 

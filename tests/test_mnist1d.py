@@ -8,7 +8,8 @@ import random
 import keras
 import numpy as np
 import pytest
-from conftest import ROOT
+
+from tests._support import ROOT
 
 pytest.importorskip("mnist1d")
 

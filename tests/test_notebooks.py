@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import requires_horovod
+
+from tests._support import requires_horovod
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")

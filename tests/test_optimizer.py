@@ -11,11 +11,11 @@ import types
 import keras
 import numpy as np
 import pytest
-from conftest import ROOT, requires_horovod, run_workers
 
 import kmp
 import kmp.distributed as dist
 from kmp.optimizer import DistributedLossScaleOptimizer, ScaledLearningRate, wrap_optimizer
+from tests._support import ROOT, requires_horovod, run_workers
 
 # ------------------------------------------------------------------- helpers
 

@@ -202,7 +202,7 @@ def test_probe_a_transformer_end_to_end():
 
 def test_probe_a_keras_hub_model():
     pytest.importorskip("keras_hub")
-    import _zoo
+    from tests import _zoo
 
     kmp.enable("mixed_float16")
     model = kmp.float32_outputs(_zoo.gpt2_causal_lm())

@@ -13,12 +13,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import requires_horovod, run_workers
 
 import kmp.distributed as dist
 from kmp.compat import v1 as kv1
 from kmp.distributed import collectives, sparse
 from kmp.optimizer import DistributedLossScaleOptimizer, wrap_optimizer
+from tests._support import requires_horovod, run_workers
 
 VOCAB, DIM = 12, 3
 VOCAB_GPT, SEQ_GPT, DIM_GPT = 64, 16, 32  # tests/distributed/worker_sparse.py

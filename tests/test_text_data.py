@@ -9,9 +9,9 @@ from pathlib import Path
 import keras
 import numpy as np
 import pytest
-from conftest import ROOT
 
 from kmp.datasets import memory, text
+from tests._support import ROOT
 
 
 def _workloads():

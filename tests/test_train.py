@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, requires_horovod
+
+from tests._support import ROOT, requires_horovod
 
 TRAIN = ROOT / "launch" / "train.py"
 DEMO = ROOT / "launch" / "demo.py"

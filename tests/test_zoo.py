@@ -13,11 +13,11 @@ import importlib.util
 import keras
 import numpy as np
 import pytest
-from _zoo import APPLICATIONS, HUB
-from conftest import requires_horovod, run_workers
 
 import kmp
 from kmp.hardware import GPU, Hardware
+from tests._support import requires_horovod, run_workers
+from tests._zoo import APPLICATIONS, HUB
 
 GPU_HW = Hardware(gpus=(GPU("v100", (7, 0)),))  # float16 without the CPU warning
 HAS_HUB = importlib.util.find_spec("keras_hub") is not None

@@ -19,6 +19,7 @@ import socket
 from collections.abc import Mapping, Sequence
 
 from kmp._launcher_env import COORDINATOR_VAR, ENGINE_VAR
+from kmp._names import ENGINE_NAMES
 from kmp.commands.hosts import Host, LaunchError
 
 __all__ = [
@@ -31,7 +32,7 @@ __all__ = [
     "port_is_free",
 ]
 
-LAUNCH_ENGINES = ("horovod", "jax")
+LAUNCH_ENGINES = ENGINE_NAMES  # the names live in kmp._names
 _LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 
 

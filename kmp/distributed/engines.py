@@ -15,10 +15,11 @@ before anything starts.
 from __future__ import annotations
 
 from kmp._checks import check_choice
+from kmp._names import ENGINE_CHOICES
 
 __all__ = ["ENGINES", "choose_engine"]
 
-ENGINES = ("auto", "horovod", "jax")
+ENGINES = ENGINE_CHOICES  # kept for kmp.distributed.ENGINES; the names live in kmp._names
 _BACKEND_OF = {"horovod": "tensorflow", "jax": "jax"}
 
 

@@ -9,7 +9,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _cluster_harness import (
+
+from kmp.commands import cluster as cli
+from kmp.commands import cluster_ops as ops
+from kmp.commands import cluster_plan as cp
+from kmp.commands import cluster_state as cs
+from tests.cluster._cluster_harness import (
     NAME,
     ROOT,
     cluster,
@@ -19,11 +24,6 @@ from _cluster_harness import (
     requires_cluster,
     status,
 )
-
-from kmp.commands import cluster as cli
-from kmp.commands import cluster_ops as ops
-from kmp.commands import cluster_plan as cp
-from kmp.commands import cluster_state as cs
 
 # ------------------------------------------------------------------ the plan (pure)
 

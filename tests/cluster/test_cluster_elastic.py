@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _cluster_harness import NAME, ROOT, TAG, cluster, digits_env, requires_cluster
+
+from tests.cluster._cluster_harness import NAME, ROOT, TAG, cluster, digits_env, requires_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.distributed, pytest.mark.slow, requires_cluster]
 

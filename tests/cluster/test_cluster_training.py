@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _cluster_harness import ROOT, cluster, digits_env, on_host, requires_cluster
+
+from tests.cluster._cluster_harness import ROOT, cluster, digits_env, on_host, requires_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.distributed, pytest.mark.slow, requires_cluster]
 

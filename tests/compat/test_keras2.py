@@ -8,9 +8,9 @@ import sys
 import textwrap
 
 import pytest
-from conftest import ROOT, requires_horovod, run_workers
 
 from kmp.compat import keras2
+from tests._support import ROOT, requires_horovod, run_workers
 
 tf_keras = pytest.importorskip("tf_keras", reason="tf-keras is not installed")
 

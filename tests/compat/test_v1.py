@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import requires_horovod, run_workers
 from tensorflow.core.protobuf import rewriter_config_pb2
 
 from kmp import gpu
 from kmp.compat import v1 as kv1
+from tests._support import requires_horovod, run_workers
 
 v1 = tf.compat.v1
 ON = rewriter_config_pb2.RewriterConfig.ON
@@ -143,7 +143,7 @@ def test_local_rank_beyond_gpus_shares_a_gpu():
 
 
 def test_session_config_warns_when_ranks_share_a_gpu(monkeypatch, no_launcher):
-    from conftest import patch_tf_gpus
+    from tests._support import patch_tf_gpus
 
     patch_tf_gpus(monkeypatch, 1)
     monkeypatch.setenv("HOROVOD_LOCAL_RANK", "1")

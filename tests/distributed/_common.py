@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def write_result(rank: int, payload: dict) -> None:
-    """Write this rank's result where the test (tests/conftest.py:run_workers) reads it."""
+    """Write this rank's result where the test (tests/_support.py:run_workers) reads it."""
     out = Path(os.environ["KMP_TEST_OUT"])
     tmp = out / f".rank{rank}.json.tmp"
     tmp.write_text(json.dumps(payload))

@@ -1,4 +1,4 @@
-"""Worker for tests/callbacks/test_cb_defaults.py, run on 2 ranks under horovodrun.
+"""Worker for tests/callbacks/test_defaults.py, run on 2 ranks under horovodrun.
 
 Each rank builds its model and optimizer state from a different seed, then
 trains on different data with kmp's callbacks, and reports:

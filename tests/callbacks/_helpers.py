@@ -1,8 +1,6 @@
 """Shared helpers for the kmp.callbacks tests: small data, a small model, a log recorder.
 
-Imported as ``from _cb_helpers import ...`` (pytest's prepend import mode puts
-this directory on ``sys.path``). Not a conftest.py: a second ``conftest`` module
-would shadow the root one that ``from conftest import run_workers`` needs.
+Imported as ``from tests.callbacks._helpers import ...``.
 """
 
 from __future__ import annotations

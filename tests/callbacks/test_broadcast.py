@@ -1,14 +1,14 @@
-"""kmp.callbacks.broadcast: BroadcastInitialState in one process (two ranks: test_cb_defaults)."""
+"""kmp.callbacks.broadcast: BroadcastInitialState in one process (two ranks: test_defaults)."""
 
 from __future__ import annotations
 
 import keras
 import numpy as np
 import pytest
-from _cb_helpers import make_model
 
 import kmp.distributed
 from kmp import callbacks as kcb
+from tests.callbacks._helpers import make_model
 
 
 def test_broadcast_single_process_builds_optimizer_and_changes_nothing():

@@ -7,9 +7,16 @@ import os
 import keras
 import numpy as np
 import pytest
-from _cb_helpers import BATCH, STEPS, Recorder, make_data, make_model, pretend_not_chief
 
 from kmp import callbacks as kcb
+from tests.callbacks._helpers import (
+    BATCH,
+    STEPS,
+    Recorder,
+    make_data,
+    make_model,
+    pretend_not_chief,
+)
 
 
 @pytest.fixture

@@ -5,11 +5,11 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from _cb_helpers import make_model
 
 import kmp.distributed
 from kmp import callbacks as kcb
 from kmp.callbacks import _ranks
+from tests.callbacks._helpers import make_model
 
 # --------------------------------------------------------------------------- verbosity
 

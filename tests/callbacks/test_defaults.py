@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import keras
 import pytest
-from _cb_helpers import BATCH, make_data, make_model
-from conftest import requires_horovod, run_workers
 
 from kmp import callbacks as kcb
+from tests._support import requires_horovod, run_workers
+from tests.callbacks._helpers import BATCH, make_data, make_model
 
 
 def test_default_callbacks_order_and_types(tmp_path):

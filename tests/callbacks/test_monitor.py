@@ -5,9 +5,9 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from _cb_helpers import BATCH, Recorder, make_data, make_model, pretend_not_chief
 
 from kmp import callbacks as kcb
+from tests.callbacks._helpers import BATCH, Recorder, make_data, make_model, pretend_not_chief
 
 
 @pytest.fixture

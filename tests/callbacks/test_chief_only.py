@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import keras
 import pytest
-from _cb_helpers import BATCH, STEPS, make_data, make_model, pretend_not_chief
 
 import kmp.distributed
 from kmp import callbacks as kcb
+from tests.callbacks._helpers import BATCH, STEPS, make_data, make_model, pretend_not_chief
 
 
 @pytest.fixture

@@ -5,10 +5,10 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from _cb_helpers import BATCH, STEPS, Recorder, make_data, make_model
 
 import kmp.distributed
 from kmp import callbacks as kcb
+from tests.callbacks._helpers import BATCH, STEPS, Recorder, make_data, make_model
 
 
 def test_warmup_sets_linear_rate_per_batch():

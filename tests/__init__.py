@@ -1,0 +1,1 @@
+"""kmp's test suite. A package, so test modules in different folders may share a name."""

@@ -1,0 +1,1 @@
+"""kmp's tests: distributed."""
