@@ -43,10 +43,10 @@ def worker(args: argparse.Namespace) -> None:
     import tensorflow as tf
 
     import kmp
-    from kmp.distributed import _horovod, collectives
+    from kmp.distributed import _horovod
 
     world = kmp.distributed.init()
-    hvd = collectives._engine()
+    hvd = kmp.distributed.engine().hvd
     import models
 
     shapes = [tuple(w.shape) for w in models.build("wide_mlp").trainable_weights]

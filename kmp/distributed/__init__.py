@@ -7,19 +7,31 @@ backend) it joins JAX's runtime and sets a ``DataParallel`` distribution (see
 :mod:`kmp.distributed.engines`); started as a plain ``python train.py`` it is a
 harmless no-op and
 every function here behaves as a world of one process (``size() == 1``,
-collectives return their input). The other functions call :func:`init` on
-first use, so a forgotten ``init()`` never silently trains unsynchronised ranks.
+collectives return their input).
+
+:func:`init` is the only function that starts an engine. Before it runs,
+:func:`rank`, :func:`size`, :func:`local_rank`, :func:`local_size`,
+:func:`is_chief` and :func:`world` answer from the launcher's environment
+(``HOROVOD_RANK``, ``OMPI_COMM_WORLD_SIZE``, ``KMP_SIZE``, ...; a plain
+``python train.py`` is a world of one) without starting anything, and
+:func:`uses_horovod` is False. A collective (and :func:`engine`,
+``kmp.wrap_optimizer``'s averaging check) in a job the launcher started as
+several processes raises a ``RuntimeError`` saying to call :func:`init` first,
+so a forgotten ``init()`` never silently trains unsynchronised ranks.
 
 Only Horovod's core TensorFlow collectives are used (``allreduce``,
 ``grouped_allreduce``, ``allgather``, ``broadcast``): Horovod's Keras layer does
 not work with Keras 3. Keras 3 variables are accepted everywhere a variable is
 expected; their ``.value`` (the ``tf.Variable``) is what Horovod sees.
 
-The package is split by concern: :mod:`kmp.distributed.world` holds the state,
-:func:`init` and the accessors; :mod:`kmp.distributed.collectives` the
-collectives; :mod:`kmp.distributed.sparse` what the step does with sparse
-gradients; :mod:`kmp.distributed._horovod` every call into Horovod and
-:mod:`kmp.distributed._jax` every call into JAX's runtime. The
+The package is split by concern: :mod:`kmp.distributed.world` holds the state
+(the one :class:`~kmp.distributed.engines.Engine` of the process), :func:`init`
+and the accessors; :mod:`kmp.distributed.engines` which engine and what an
+engine does; :mod:`kmp.distributed.collectives` the collectives (argument
+checks, then one call on the engine); :mod:`kmp.distributed.sparse` what the
+step does with sparse gradients; :mod:`kmp.distributed._horovod` (the Horovod
+engine) every call into Horovod and :mod:`kmp.distributed._jax` (the JAX
+engine) every call into JAX's runtime. The
 launcher's environment is read by :mod:`kmp._launcher_env`, and the accepted
 reduction and compression names live in :mod:`kmp._names`; everything is
 re-exported here, where it has always been.
@@ -36,6 +48,7 @@ from __future__ import annotations
 
 from kmp._launcher_env import LAUNCH_SIZE_VARS, launched_world_size
 from kmp._names import COMPRESSIONS, REDUCE_OPS, SPARSE_GRADIENTS, normalize_compression
+from kmp.distributed.buckets import payload_bytes
 from kmp.distributed.collectives import (
     allgather,
     allreduce,
@@ -46,15 +59,14 @@ from kmp.distributed.collectives import (
     check_averaging_runtime,
     gradients_need_allreduce,
     grouped_allreduce,
-    payload_bytes,
 )
-from kmp.distributed.engines import ENGINES
+from kmp.distributed.engines import ENGINES, Engine
 
 # Imported last on purpose: importing the submodule ``world`` binds it as an attribute
 # of this package, and the function ``world`` imported here must win that name.
 from kmp.distributed.world import (
     World,
-    _reset_for_tests,  # noqa: F401 - tests reset the state through the package
+    engine,
     init,
     is_chief,
     is_initialized,
@@ -70,6 +82,7 @@ from kmp.distributed.world import (
 __all__ = [
     "COMPRESSIONS",
     "ENGINES",
+    "Engine",
     "LAUNCH_SIZE_VARS",
     "REDUCE_OPS",
     "SPARSE_GRADIENTS",
@@ -81,6 +94,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_variables",
     "check_averaging_runtime",
+    "engine",
     "gradients_need_allreduce",
     "grouped_allreduce",
     "init",

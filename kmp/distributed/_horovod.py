@@ -1,40 +1,44 @@
 """The Horovod engine: every call into ``horovod.tensorflow`` that kmp.distributed makes.
 
-:mod:`kmp.distributed.world` starts it (:func:`start`) and
-:mod:`kmp.distributed.collectives` hands it checked, dense TensorFlow tensors;
-nothing here validates user arguments or handles the single-process case.
+:mod:`kmp.distributed.world` starts it (:func:`start`, which returns the
+:class:`HorovodEngine`) and :mod:`kmp.distributed.collectives` hands it checked
+values; nothing here validates user arguments or handles the single-process case.
+The engine turns the values into dense TensorFlow tensors, plans the buckets
+(:mod:`kmp.distributed.buckets`) and sends them.
 Only Horovod's core TensorFlow collectives are used (``allreduce``,
 ``grouped_allreduce``, ``allgather``, ``grouped_allgather``, ``broadcast``; sparse
 gradients by :func:`grouped_allgather_slices`):
-Horovod's Keras layer does not work with Keras 3.
+Horovod's Keras layer does not work with Keras 3. Keras 3 variables are accepted
+where a variable is expected; their ``.value`` (the ``tf.Variable``) is what Horovod sees.
 
-Horovod itself is imported only by :func:`start`; the other functions take the
+Horovod itself is imported only by :func:`start`; the functions take the
 imported module as their first argument, so importing this module stays light.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 from kmp._imports import INSTALL_HINTS, optional_import
+from kmp.distributed import sparse
 from kmp.distributed._scatter_reduce import scatter_reduce
+from kmp.distributed.buckets import overlap_warning, payload_bytes, plan_buckets
+from kmp.distributed.engines import Engine, Layout
 
 __all__ = [
-    "allgather",
-    "barrier",
-    "broadcast_object",
-    "broadcast_variables",
+    "COMPRESSED_PATH",
+    "COMPRESSED_PATHS",
+    "HorovodEngine",
     "grouped_allgather_slices",
     "grouped_allreduce",
-    "local_layout",
-    "restart",
     "start",
 ]
 
 
-def start(launched: int, *, elastic: bool = False) -> ModuleType | None:
+def start(launched: int, *, elastic: bool = False) -> HorovodEngine | None:
     """Import and initialise ``horovod.tensorflow`` for a job of ``launched`` processes.
 
     Args:
@@ -43,8 +47,8 @@ def start(launched: int, *, elastic: bool = False) -> ModuleType | None:
             while the world is one process.
 
     Returns:
-        The initialised ``horovod.tensorflow`` module, or None when the launcher
-        started a single process and Horovod is not installed (nothing to do).
+        The engine, or None when the launcher started a single process and
+        Horovod is not installed (nothing to do).
 
     Raises:
         ImportError: ``launched > 1`` but Horovod cannot be imported; the message
@@ -61,23 +65,148 @@ def start(launched: int, *, elastic: bool = False) -> ModuleType | None:
             ) from exc
         return None
     hvd.init()
-    return hvd
+    return HorovodEngine(hvd)
 
 
-def restart(hvd: ModuleType) -> None:
-    """Shut Horovod down and initialise it again: an elastic job's new world.
+def _as_tf_variable(v: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras 3 variable; anything else as it is."""
+    import keras
 
-    In an elastic job ``init`` asks the driver's rendezvous for this worker's new
-    rank and size, and waits until every worker of the new world has asked.
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+class HorovodEngine(Engine):
+    """Horovod's TensorFlow collectives; kmp's optimizer averages the gradients through them.
+
+    Args:
+        hvd: The initialised ``horovod.tensorflow`` module.
     """
-    hvd.shutdown()
-    hvd.init()
 
+    name = "horovod"
+    optimizer_averages = True
 
-def local_layout(hvd: ModuleType) -> tuple[int, int, int, int, int, int]:
-    """Return ``(rank, size, local_rank, local_size, cross_rank, cross_size)`` from Horovod."""
-    calls = (hvd.rank, hvd.size, hvd.local_rank, hvd.local_size, hvd.cross_rank, hvd.cross_size)
-    return tuple(int(f()) for f in calls)  # type: ignore[return-value]
+    def __init__(self, hvd: ModuleType):
+        self.hvd = hvd
+
+    def layout(self) -> Layout:
+        """Horovod's ``(rank, size, local_rank, local_size, cross_rank, cross_size)``."""
+        hvd = self.hvd
+        calls = (hvd.rank, hvd.size, hvd.local_rank, hvd.local_size, hvd.cross_rank, hvd.cross_size)
+        return tuple(int(f()) for f in calls)  # type: ignore[return-value]
+
+    def restart(self) -> None:
+        """Shut Horovod down and initialise it again: an elastic job's new world.
+
+        In an elastic job ``init`` asks the driver's rendezvous for this worker's new
+        rank and size, and waits until every worker of the new world has asked.
+        """
+        self.hvd.shutdown()
+        self.hvd.init()
+
+    def close(self) -> None:
+        """Refuse: Horovod cannot be started a second time in a process.
+
+        Raises:
+            RuntimeError: Always.
+        """
+        raise RuntimeError("Cannot reset a running Horovod job.")
+
+    def barrier(self) -> None:
+        """Block until every rank gets here (a tiny blocking allreduce)."""
+        import tensorflow as tf
+
+        hvd = self.hvd
+        hvd.allreduce(tf.constant(0, tf.int32), op=hvd.Sum, name="kmp.barrier").numpy()
+
+    def broadcast_variables(self, variables: Sequence[Any], root: int) -> Any:
+        """Overwrite ``variables`` with rank ``root``'s values.
+
+        On the TensorFlow backend the ``tf.Variable`` objects are broadcast (eagerly
+        or inside a ``tf.function``); on another Keras backend the values move
+        through TensorFlow eagerly and are assigned back.
+
+        Returns:
+            Horovod's op group in graph mode, else None.
+        """
+        import keras
+        import tensorflow as tf
+
+        if not variables:
+            return None
+        hvd = self.hvd
+        if keras.backend.backend() != "tensorflow":
+            import numpy as np
+
+            for i, v in enumerate(variables):
+                value = _broadcast(hvd, tf.constant(np.asarray(v)), root, name=f"kmp.bcast.{i}")
+                v.assign(value.numpy())
+            return None
+        tf_variables = [_as_tf_variable(v) for v in variables]
+        wide = [v for v in tf_variables if v.dtype != tf.bfloat16]
+        # Horovod's broadcast has no bfloat16: those travel as their int16 bit patterns.
+        narrow = [
+            v.assign(_broadcast(hvd, v, root)) for v in tf_variables if v.dtype == tf.bfloat16
+        ]
+        group = hvd.broadcast_variables(wide, root_rank=root) if wide else None
+        return group if not narrow else tf.group(*narrow, *([group] if group is not None else []))
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """Return rank ``root``'s ``obj`` (pickled through Horovod)."""
+        return self.hvd.broadcast_object(obj, root_rank=root)
+
+    def allgather(self, x: Any) -> Any:
+        """Concatenate ``x`` from every rank along its first axis (a scalar as ``[1]``)."""
+        import tensorflow as tf
+
+        t = tf.convert_to_tensor(_as_tf_variable(x))
+        if t.shape.rank == 0:
+            t = tf.reshape(t, [1])
+        return self.hvd.allgather(t)
+
+    def grouped_allreduce(
+        self,
+        tensors: Sequence[Any],
+        op: str,
+        compression: str | None,
+        bucket_bytes: int | None,
+        sparse_gradients: str,
+    ) -> list[Any]:
+        """Reduce ``tensors`` in buckets of fused operations; gathered sparse gradients last.
+
+        Dense values and sparse gradients sent ``"dense"`` go in the buckets of
+        :func:`kmp.distributed.buckets.plan_buckets` (last tensor first), each
+        bucket one :func:`grouped_allreduce`; with one inter-op thread a warning
+        says the buckets cannot overlap the backward pass. Sparse gradients sent
+        ``"gather"`` come after (the embeddings come first, so their gradients
+        come last), through :func:`grouped_allgather_slices`.
+        """
+        import tensorflow as tf
+
+        result: list[Any] = list(tensors)
+        gather = [
+            i for i, t in enumerate(tensors) if sparse_gradients == "gather" and sparse.is_sparse(t)
+        ]
+        idx = [i for i in range(len(tensors)) if i not in gather]
+        dense = [
+            sparse.densify(tensors[i])
+            if sparse.is_sparse(tensors[i])
+            else tf.convert_to_tensor(_as_tf_variable(tensors[i]))
+            for i in idx
+        ]
+        plan = plan_buckets([payload_bytes([t], compression) for t in dense], bucket_bytes)
+        message = overlap_warning(len(plan), tf.config.threading.get_inter_op_parallelism_threads())
+        if message:  # stacklevel: the caller of kmp.distributed.grouped_allreduce
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        for bucket in plan:
+            reduced = grouped_allreduce(self.hvd, [dense[j] for j in bucket], op, compression)
+            for j, r in zip(bucket, reduced, strict=True):
+                result[idx[j]] = r
+        if gather:
+            slices = [tensors[i] for i in gather]
+            gathered = grouped_allgather_slices(self.hvd, slices, op, compression)
+            for i, r in zip(gather, gathered, strict=True):
+                result[i] = r
+        return result
 
 
 def _op(hvd: ModuleType, op: str) -> Any:
@@ -91,50 +220,6 @@ def _op(hvd: ModuleType, op: str) -> Any:
     }[op]
 
 
-# ---------------------------------------------------------------- collectives
-
-
-def barrier(hvd: ModuleType) -> None:
-    """Block until every rank gets here (a tiny blocking allreduce)."""
-    import tensorflow as tf
-
-    hvd.allreduce(tf.constant(0, tf.int32), op=hvd.Sum, name="kmp.barrier").numpy()
-
-
-def broadcast_variables(
-    hvd: ModuleType, tf_variables: Sequence[Any], root: int, *, eager_assign: bool
-) -> Any:
-    """Overwrite ``tf_variables`` with rank ``root``'s values.
-
-    Args:
-        hvd: The Horovod module.
-        tf_variables: ``tf.Variable`` objects, or (with ``eager_assign``) any
-            variables with ``assign`` whose values NumPy can read.
-        root: The rank whose values win (checked).
-        eager_assign: Move the values through TensorFlow eagerly and assign them
-            back (for Keras backends other than TensorFlow).
-
-    Returns:
-        Horovod's op group in graph mode, else None.
-    """
-    import tensorflow as tf
-
-    if not eager_assign:
-        wide = [v for v in tf_variables if v.dtype != tf.bfloat16]
-        # Horovod's broadcast has no bfloat16: those travel as their int16 bit patterns.
-        narrow = [
-            v.assign(_broadcast(hvd, v, root)) for v in tf_variables if v.dtype == tf.bfloat16
-        ]
-        group = hvd.broadcast_variables(wide, root_rank=root) if wide else None
-        return group if not narrow else tf.group(*narrow, *([group] if group is not None else []))
-    import numpy as np
-
-    for i, v in enumerate(tf_variables):
-        value = _broadcast(hvd, tf.constant(np.asarray(v)), root, name=f"kmp.bcast.{i}")
-        v.assign(value.numpy())
-    return None
-
-
 def _broadcast(hvd: ModuleType, tensor: Any, root: int, **kwargs: Any) -> Any:
     """``hvd.broadcast``, bfloat16 included (Horovod has no bfloat16: its int16 bits travel)."""
     import tensorflow as tf
@@ -142,16 +227,6 @@ def _broadcast(hvd: ModuleType, tensor: Any, root: int, **kwargs: Any) -> Any:
     if tensor.dtype != tf.bfloat16:
         return hvd.broadcast(tensor, root, **kwargs)
     return tf.bitcast(hvd.broadcast(tf.bitcast(tensor, tf.int16), root, **kwargs), tf.bfloat16)
-
-
-def broadcast_object(hvd: ModuleType, obj: Any, root: int) -> Any:
-    """Return rank ``root``'s ``obj`` (pickled through Horovod)."""
-    return hvd.broadcast_object(obj, root_rank=root)
-
-
-def allgather(hvd: ModuleType, tensor: Any) -> Any:
-    """Concatenate ``tensor`` (rank >= 1) from every rank along its first axis."""
-    return hvd.allgather(tensor)
 
 
 # How a compressed (fp16 / bf16) average or sum of floating tensors is reduced:

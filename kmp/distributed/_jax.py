@@ -1,6 +1,7 @@
 """The JAX engine: JAX's distributed runtime and ``keras.distribution``, for kmp.distributed.
 
-:mod:`kmp.distributed.world` starts it (:func:`start`): the process group from
+:mod:`kmp.distributed.world` starts it (:func:`start`, then holds a
+:class:`JaxEngine`): the process group from
 the launcher's environment (``jax.distributed.initialize``), Gloo collectives
 for CPU devices, and a Keras ``DataParallel`` distribution over every device
 of every process, and one random seed for all of them (Keras, Python and NumPy).
@@ -32,7 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from kmp.distributed.engines import Engine, Layout, layout
+
 __all__ = [
+    "JaxEngine",
     "alone",
     "allgather",
     "barrier",
@@ -41,7 +45,6 @@ __all__ = [
     "data_parallel_class",
     "grouped_allreduce",
     "install_initial_values_hook",
-    "local_layout",
     "remove_initial_values_hook",
     "start",
 ]
@@ -258,22 +261,68 @@ def _check_coordinator(coordinator: str, process_id: int, timeout_s: int) -> Non
             time.sleep(0.5)
 
 
-def local_layout(
-    local_rank: int | None, local_size: int | None, cross: tuple[int, int] | None
-) -> tuple[int, int, int, int, int, int]:
-    """Return ``(rank, size, local_rank, local_size, cross_rank, cross_size)`` from JAX.
+class JaxEngine(Engine):
+    """JAX's runtime, once :func:`start` has joined the process group.
 
-    JAX knows the process id and count; the place on the host and the host
-    comes from the launcher (``local_rank``, ``local_size``, ``cross``), else
-    one process per host is assumed.
+    Keras's ``DataParallel`` distribution averages the gradients inside the step,
+    so kmp's optimizer does not. The collectives move host values and return
+    NumPy arrays (no compression or buckets: they serve what runs outside the step).
+
+    Args:
+        local_rank: This process's rank on its host, as the launcher said, or None.
+        local_size: The number of processes on this host, or None (one per host).
+        cross: The launcher's ``(cross_rank, cross_size)``, or None.
     """
-    import jax
 
-    rank, size = int(jax.process_index()), int(jax.process_count())
-    lrank = 0 if local_rank is None else local_rank
-    lsize = 1 if local_size is None else local_size
-    cross_rank, cross_size = cross if cross is not None else (rank // lsize, -(-size // lsize))
-    return rank, size, lrank, lsize, cross_rank, cross_size
+    name = "jax"
+
+    def __init__(
+        self, local_rank: int | None, local_size: int | None, cross: tuple[int, int] | None
+    ):
+        self._place = (local_rank, local_size, cross)
+
+    def layout(self) -> Layout:
+        """The rank and size from JAX; the place on the host from the launcher."""
+        import jax
+
+        return layout(int(jax.process_index()), int(jax.process_count()), *self._place)
+
+    def close(self) -> None:
+        """Put Keras's own variable initialisation back (:func:`remove_initial_values_hook`)."""
+        remove_initial_values_hook()
+
+    def alone(self) -> contextlib.AbstractContextManager:
+        """Lift Keras's distribution while this process works by itself (:func:`alone`)."""
+        return alone()
+
+    def barrier(self) -> None:
+        """Wait for every process."""
+        barrier()
+
+    def broadcast_variables(self, variables: Sequence[Any], root: int) -> None:
+        """Assign process ``root``'s values to ``variables``."""
+        for v, value in zip(variables, broadcast_values(variables, root), strict=True):
+            v.assign(value)
+
+    def broadcast_object(self, obj: Any, root: int) -> Any:
+        """Return process ``root``'s ``obj``."""
+        return broadcast_object(obj, root)
+
+    def grouped_allreduce(
+        self,
+        tensors: Sequence[Any],
+        op: str,
+        compression: str | None,
+        bucket_bytes: int | None,
+        sparse_gradients: str,
+    ) -> list[Any]:
+        """Reduce host values (``compression``, buckets and sparse strategy do not apply)."""
+        return grouped_allreduce(tensors, op)
+
+    def allgather(self, x: Any) -> np.ndarray:
+        """Concatenate ``x`` in process order (a scalar as ``[1]``)."""
+        host = _host(x)
+        return allgather(host.reshape(1) if host.ndim == 0 else host)
 
 
 @contextlib.contextmanager

@@ -1,20 +1,30 @@
-"""Which gradients travel together: the bucket plan of an overlapped allreduce.
+"""Which gradients travel together, and how many bytes they are: the bucket plan.
 
 A backward pass produces the gradients of the last layers first. Reducing them
 in buckets, in reverse variable order, each bucket its own grouped collective,
 lets the first buckets travel while the backward pass still computes the rest;
 one bucket (:func:`plan_buckets` without a size) waits for all of them.
-:func:`plan_buckets` is the pure decision; ``grouped_allreduce`` in
-:mod:`kmp.distributed.collectives` acts on it.
+:func:`plan_buckets` is the pure decision, on the sizes :func:`payload_bytes`
+measures; the Horovod engine (:mod:`kmp.distributed._horovod`) acts on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kmp._checks import check_int
+from kmp._names import normalize_compression
+from kmp.distributed import sparse
+from kmp.distributed.sparse import DEFAULT_SPARSE_GRADIENTS, check_sparse_gradients
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "check_bucket_bytes", "overlap_warning", "plan_buckets"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "check_bucket_bytes",
+    "overlap_warning",
+    "payload_bytes",
+    "plan_buckets",
+]
 
 # The bucket size kmp.wrap_optimizer uses unless told otherwise, chosen by `kmp bench --only
 # peers` (docs/performance.md): a model of less than 4 MiB of gradients (the digits CNN) keeps
@@ -100,3 +110,51 @@ def overlap_warning(n_buckets: int, inter_op_threads: int) -> str | None:
         "tf.config.threading.set_inter_op_parallelism_threads(2) (or TF_NUM_INTEROP_THREADS=2) "
         "for the allreduce to overlap the backward pass, or bucket_bytes=None."
     )
+
+
+def _dtype_name(dt: Any) -> str:
+    name = getattr(dt, "name", None) or str(dt)
+    return "float16" if name == "bfloat16" else name  # numpy has no bfloat16; same size
+
+
+def payload_bytes(
+    tensors: Iterable[Any],
+    compression: str | None = None,
+    sparse_gradients: str = DEFAULT_SPARSE_GRADIENTS,
+) -> int:
+    """Return how many bytes one rank hands to the collectives for ``tensors``.
+
+    Floating-point tensors count at 2 bytes per element when ``compression`` is
+    ``"fp16"`` or ``"bf16"``; everything else at its own item size. ``None``
+    entries count nothing. A sparse gradient (``tf.IndexedSlices``) counts as
+    ``sparse_gradients`` sends it (:mod:`kmp.distributed.sparse`): its dense shape
+    (``"dense"``), or its values and indices (``"gather"``). A dimension unknown
+    while tracing (a sparse gradient's rows, usually) counts as 0, so the figure
+    is then a lower bound.
+
+    Args:
+        tensors: Tensors, arrays, variables or ``tf.IndexedSlices``.
+        compression: As accepted by :func:`kmp._names.normalize_compression`.
+        sparse_gradients: ``"dense"`` or ``"gather"``.
+
+    Returns:
+        The number of bytes.
+
+    Raises:
+        TypeError: ``compression`` or ``sparse_gradients`` of the wrong type.
+        ValueError: An unknown ``compression`` or ``sparse_gradients``.
+    """
+    import numpy as np
+
+    comp = normalize_compression(compression)
+    strategy = check_sparse_gradients(sparse_gradients)
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        parts = sparse.parts_sent(t, strategy) if sparse.is_sparse(t) else [(t.shape, t.dtype)]
+        for shape, dtype in parts:
+            dtype = np.dtype(_dtype_name(dtype))
+            item = 2 if comp and dtype.kind == "f" else dtype.itemsize
+            total += sparse.count(tuple(shape)) * item
+    return total

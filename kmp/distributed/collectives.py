@@ -1,27 +1,29 @@
-"""Collectives across the ranks of the job, with single-process identities.
+"""Collectives across the ranks of the job: argument checks, then one call on the engine.
 
-Each function checks its arguments, returns its input (or does nothing) in a
-world of one process, and otherwise hands the values to the engine: dense
-TensorFlow tensors to :mod:`kmp.distributed._horovod`, host arrays to
-:mod:`kmp.distributed._jax` (whose results are NumPy arrays). Keras 3 variables are accepted
-everywhere a variable is expected; their ``.value`` (the ``tf.Variable``) is
-what the engine sees. The accepted reduction and compression names are those of
-:mod:`kmp._names`.
+Each function checks its arguments and hands them to the engine
+(:class:`kmp.distributed.engines.Engine`) that :mod:`kmp.distributed.world` holds:
+:class:`~kmp.distributed.engines.SingleProcess` in a world of one (the input comes
+back), Horovod (:mod:`kmp.distributed._horovod`: TensorFlow tensors, buckets,
+compression) or JAX (:mod:`kmp.distributed._jax`: host values, NumPy results).
+Keras 3 variables are accepted everywhere a variable is expected. No collective
+starts an engine: in a job the launcher started as several processes, a collective
+called before :func:`kmp.distributed.init` raises a ``RuntimeError`` that says so.
+The accepted reduction and compression names are those of :mod:`kmp._names`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kmp._checks import check_int
 from kmp._names import normalize_compression, normalize_reduce_op
-from kmp.distributed import _horovod, _jax, sparse
-from kmp.distributed.buckets import check_bucket_bytes, overlap_warning, plan_buckets
+from kmp.distributed import sparse
+from kmp.distributed.buckets import check_bucket_bytes
+from kmp.distributed.engines import SINGLE_PROCESS, Engine
 from kmp.distributed.sparse import DEFAULT_SPARSE_GRADIENTS, check_sparse_gradients
-from kmp.distributed.world import _engine, _ensure, _jax_engine
+from kmp.distributed.world import engine, world
 
 __all__ = [
     "alone",
@@ -33,7 +35,6 @@ __all__ = [
     "check_averaging_runtime",
     "grouped_allreduce",
     "gradients_need_allreduce",
-    "payload_bytes",
     "unique_variables",
 ]
 
@@ -41,11 +42,15 @@ __all__ = [
 # ------------------------------------------------------------------- helpers
 
 
-def _as_tf_variable(v: Any) -> Any:
-    """The ``tf.Variable`` behind a Keras 3 variable; anything else as it is."""
-    import keras
+def _engine() -> Engine:
+    """The engine for a collective: none is needed in a world of one, whatever runs.
 
-    return v.value if isinstance(v, keras.Variable) else v
+    Raises:
+        RuntimeError: A launched multi-process job where :func:`kmp.distributed.init`
+            has not run (:func:`kmp.distributed.world.engine`).
+    """
+    running = engine()
+    return SINGLE_PROCESS if world().size == 1 else running
 
 
 def _check_root(root: Any) -> int:
@@ -55,7 +60,7 @@ def _check_root(root: Any) -> int:
         TypeError: ``root`` is not an integer.
         ValueError: ``root`` is not a rank of this job.
     """
-    n = _ensure().size
+    n = world().size
     if n == 1:  # A world of one ignores root; only its type can be wrong.
         return check_int("root", root, minimum=None, hint="Pass the rank whose values are sent.")
     return check_int(
@@ -67,54 +72,6 @@ def _check_root(root: Any) -> int:
     )
 
 
-def _dtype_name(dt: Any) -> str:
-    name = getattr(dt, "name", None) or str(dt)
-    return "float16" if name == "bfloat16" else name  # numpy has no bfloat16; same size
-
-
-def payload_bytes(
-    tensors: Iterable[Any],
-    compression: str | None = None,
-    sparse_gradients: str = DEFAULT_SPARSE_GRADIENTS,
-) -> int:
-    """Return how many bytes one rank hands to the collectives for ``tensors``.
-
-    Floating-point tensors count at 2 bytes per element when ``compression`` is
-    ``"fp16"`` or ``"bf16"``; everything else at its own item size. ``None``
-    entries count nothing. A sparse gradient (``tf.IndexedSlices``) counts as
-    ``sparse_gradients`` sends it (:mod:`kmp.distributed.sparse`): its dense shape
-    (``"dense"``), or its values and indices (``"gather"``). A dimension unknown
-    while tracing (a sparse gradient's rows, usually) counts as 0, so the figure
-    is then a lower bound.
-
-    Args:
-        tensors: Tensors, arrays, variables or ``tf.IndexedSlices``.
-        compression: As accepted by :func:`kmp._names.normalize_compression`.
-        sparse_gradients: ``"dense"`` or ``"gather"``.
-
-    Returns:
-        The number of bytes.
-
-    Raises:
-        TypeError: ``compression`` or ``sparse_gradients`` of the wrong type.
-        ValueError: An unknown ``compression`` or ``sparse_gradients``.
-    """
-    import numpy as np
-
-    comp = normalize_compression(compression)
-    strategy = check_sparse_gradients(sparse_gradients)
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        parts = sparse.parts_sent(t, strategy) if sparse.is_sparse(t) else [(t.shape, t.dtype)]
-        for shape, dtype in parts:
-            dtype = np.dtype(_dtype_name(dtype))
-            item = 2 if comp and dtype.kind == "f" else dtype.itemsize
-            total += sparse.count(tuple(shape)) * item
-    return total
-
-
 def check_averaging_runtime(world_size: int) -> None:
     """Check that gradients can be averaged over ``world_size`` ranks here.
 
@@ -124,14 +81,16 @@ def check_averaging_runtime(world_size: int) -> None:
     are TensorFlow ops) and no ``tf.distribute`` strategy in force.
 
     Raises:
-        RuntimeError: Several ranks on another backend, or inside a strategy's scope.
+        RuntimeError: Several ranks on another backend, or inside a strategy's scope;
+            or a launched multi-process job where :func:`kmp.distributed.init` has
+            not run (nothing says which engine would average).
     """
     if world_size == 1:
         return
     import keras
 
     backend = keras.backend.backend()
-    if _ensure().engine == "jax":
+    if engine().name == "jax":
         if backend != "jax":
             raise RuntimeError(
                 f"The JAX engine runs {world_size} processes, but KERAS_BACKEND is {backend!r}; "
@@ -160,9 +119,12 @@ def gradients_need_allreduce() -> bool:
     In a world of one there is nothing to average; on the JAX engine Keras's
     ``DataParallel`` distribution computes the gradients over the global batch,
     so they arrive averaged and are not reduced a second time.
+
+    Raises:
+        RuntimeError: A launched multi-process job where :func:`kmp.distributed.init`
+            has not run.
     """
-    w = _ensure()
-    return w.size > 1 and w.engine != "jax"
+    return _engine().optimizer_averages
 
 
 # --------------------------------------------------------------- collectives
@@ -175,18 +137,12 @@ def alone() -> contextlib.AbstractContextManager:
     that Keras creates while saving stay on this process instead of waiting for
     the others. Elsewhere it changes nothing.
     """
-    return _jax.alone() if _jax_engine() else contextlib.nullcontext()
+    return _engine().alone()
 
 
 def barrier() -> None:
     """Block until every process reaches this call (no-op in a single process)."""
-    if _jax_engine():
-        _jax.barrier()
-        return
-    hvd = _engine()
-    if hvd is None:
-        return
-    _horovod.barrier(hvd)
+    _engine().barrier()
 
 
 def unique_variables(variables: Iterable[Any]) -> list[Any]:
@@ -218,24 +174,8 @@ def broadcast_variables(variables: Iterable[Any], root: int = 0) -> Any:
         TypeError: ``root`` is not an integer.
         ValueError: ``root`` is not a rank of this job.
     """
-    root = _check_root(root)
-    unique = unique_variables(variables)
-    if _jax_engine():
-        for v, value in zip(unique, _jax.broadcast_values(unique, root), strict=True):
-            v.assign(value)
-        return None
-    hvd = _engine()
-    if hvd is None:
-        return None
-    if not unique:
-        return None
-    import keras
-
-    if keras.backend.backend() == "tensorflow":
-        tf_vars = [_as_tf_variable(v) for v in unique]
-        return _horovod.broadcast_variables(hvd, tf_vars, root, eager_assign=False)
-    # Other backends: move the values through TensorFlow eagerly.
-    return _horovod.broadcast_variables(hvd, unique, root, eager_assign=True)
+    running = _engine()
+    return running.broadcast_variables(unique_variables(variables), _check_root(root))
 
 
 def broadcast_object(obj: Any, root: int = 0) -> Any:
@@ -252,13 +192,8 @@ def broadcast_object(obj: Any, root: int = 0) -> Any:
         TypeError: ``root`` is not an integer.
         ValueError: ``root`` is not a rank of this job.
     """
-    root = _check_root(root)
-    if _jax_engine():
-        return _jax.broadcast_object(obj, root)
-    hvd = _engine()
-    if hvd is None:
-        return obj
-    return _horovod.broadcast_object(hvd, obj, root)
+    running = _engine()
+    return running.broadcast_object(obj, _check_root(root))
 
 
 def allreduce(x: Any, op: str = "average", compression: str | None = None) -> Any:
@@ -340,39 +275,13 @@ def grouped_allreduce(
             f"Sparse gradients (tf.IndexedSlices) can be gathered for op='average' or 'sum', "
             f"not {op!r}; pass sparse_gradients='dense' to reduce them as dense tensors."
         )
-    if _jax_engine():  # host values, outside the step: no compression or buckets to use
-        result = list(tensors)
-        for i, r in zip(idx, _jax.grouped_allreduce([tensors[i] for i in idx], op), strict=True):
-            result[i] = r
-        return result
-    hvd = _engine()
-    if hvd is None or not idx:
+    running = _engine()
+    if not idx:
         return tensors
-    import tensorflow as tf
-
-    result = list(tensors)
-    if gather:  # the embeddings come first, so their gradients come last: gather after
-        idx = [i for i in idx if i not in gather]
-    dense = [
-        sparse.densify(tensors[i])
-        if sparse.is_sparse(tensors[i])
-        else tf.convert_to_tensor(_as_tf_variable(tensors[i]))
-        for i in idx
-    ]
-    sizes = [payload_bytes([t], comp) for t in dense]
-    plan = plan_buckets(sizes, bucket_bytes)
-    message = overlap_warning(len(plan), tf.config.threading.get_inter_op_parallelism_threads())
-    if message:
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-    for bucket in plan:
-        reduced = _horovod.grouped_allreduce(hvd, [dense[j] for j in bucket], op, comp)
-        for j, r in zip(bucket, reduced, strict=True):
-            result[idx[j]] = r
-    if gather:
-        slices = _horovod.grouped_allgather_slices(hvd, [tensors[i] for i in gather], op, comp)
-        for i, r in zip(gather, slices, strict=True):
-            result[i] = r
-    return result
+    reduced = running.grouped_allreduce([tensors[i] for i in idx], op, comp, bucket_bytes, strategy)
+    for i, r in zip(idx, reduced, strict=True):
+        tensors[i] = r
+    return tensors
 
 
 def allgather(x: Any) -> Any:
@@ -388,20 +297,4 @@ def allgather(x: Any) -> Any:
     Returns:
         The gathered tensor (``x``, with scalars reshaped to ``[1]``, in a single process).
     """
-    if _jax_engine():
-        import numpy as np
-
-        host = np.asarray(getattr(x, "value", x))
-        return _jax.allgather(host.reshape(1) if host.ndim == 0 else host)
-    hvd = _engine()
-    if hvd is None:
-        from keras import ops
-
-        t = ops.convert_to_tensor(x)
-        return ops.reshape(t, [1]) if len(t.shape) == 0 else t
-    import tensorflow as tf
-
-    t = tf.convert_to_tensor(_as_tf_variable(x))
-    if t.shape.rank == 0:
-        t = tf.reshape(t, [1])
-    return _horovod.allgather(hvd, t)
+    return _engine().allgather(x)

@@ -1,11 +1,20 @@
-"""Where this process stands in the job: :func:`init`, the :class:`World` and its accessors.
+"""Where this process stands in the job: :func:`init`, the :class:`World`, its engine and accessors.
 
-The state lives here, once per process. :func:`init` reads the launcher's world
-size (through :mod:`kmp._launcher_env`), chooses the engine
-(:func:`kmp.distributed.engines.choose_engine`) and starts it when the job has
-more than one process: Horovod (:mod:`kmp.distributed._horovod`, which then
-pins this local rank's GPU through :func:`kmp.gpu.configure_gpus`) or JAX's
-runtime (:mod:`kmp.distributed._jax`).
+The state lives here, once per process: the one :class:`~kmp.distributed.engines.Engine`
+that carries the collectives, and the :class:`World` it describes. :func:`init` reads
+the launcher's world size (through :mod:`kmp._launcher_env`), chooses the engine
+(:func:`kmp.distributed.engines.choose_engine`) and starts it when the job has more
+than one process: Horovod (:mod:`kmp.distributed._horovod`, which then pins this
+local rank's GPU through :func:`kmp.gpu.configure_gpus`) or JAX's runtime
+(:mod:`kmp.distributed._jax`); otherwise the engine is
+:class:`~kmp.distributed.engines.SingleProcess`.
+
+Nothing else starts an engine. Before :func:`init` the accessors (:func:`rank`,
+:func:`size`, :func:`world`, ...) answer from the launcher's environment, read at
+each call, without starting anything (a plain ``python train.py`` is a world of
+one); :func:`engine` and every collective then raise a ``RuntimeError`` that says
+to call :func:`init` first when the launcher started several processes (or an
+elastic job), and act as a world of one otherwise.
 
 Note that the package :mod:`kmp.distributed` re-exports the function
 :func:`world` under the name of this module, so ``kmp.distributed.world`` is the
@@ -15,16 +24,15 @@ function; import from this module as ``from kmp.distributed.world import ...``.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import warnings
-from types import ModuleType
 
 from kmp import _launcher_env as _env
 from kmp.distributed import _horovod, _jax
-from kmp.distributed.engines import choose_engine
+from kmp.distributed.engines import SINGLE_PROCESS, Engine, choose_engine, layout
 
 __all__ = [
     "World",
+    "engine",
     "init",
     "is_chief",
     "is_initialized",
@@ -50,8 +58,8 @@ class World:
         horovod: True when Horovod is running the collectives.
         cross_rank: Which host this is, among the hosts (0 on the first).
         cross_size: Number of hosts.
-        engine: ``"horovod"``, ``"jax"``, or ``"none"`` for a single process
-            started without a launcher.
+        engine: ``"horovod"``, ``"jax"``, or ``"none"``: a single process, or a
+            launched process before :func:`init` (no engine runs yet).
     """
 
     rank: int
@@ -64,18 +72,27 @@ class World:
     engine: str = "none"
 
 
-def _single() -> World:
-    return World(rank=0, size=1, local_rank=0, local_size=1, horovod=False)
+def _world_of(running: Engine) -> World:
+    """The :class:`World` an engine describes (its name says which engine runs)."""
+    rank_, size_, local_rank_, local_size_, cross_rank_, cross_size_ = running.layout()
+    return World(
+        rank_,
+        size_,
+        local_rank_,
+        local_size_,
+        running.name == "horovod",
+        cross_rank=cross_rank_,
+        cross_size=cross_size_,
+        engine=running.name,
+    )
 
 
 @dataclasses.dataclass
 class _State:
-    """The process-wide state: whether :func:`init` ran, the engine, and the world."""
+    """The process-wide state: the engine :func:`init` started (None before), and its world."""
 
-    initialized: bool = False
-    hvd: ModuleType | None = None  # horovod.tensorflow once Horovod runs
-    jax: bool = False  # True once the JAX engine runs
-    world: World = dataclasses.field(default_factory=_single)
+    engine: Engine | None = None
+    world: World = dataclasses.field(default_factory=lambda: _world_of(SINGLE_PROCESS))
 
 
 _STATE = _State()
@@ -104,6 +121,10 @@ def init(engine: str = "auto") -> World:
     single Horovod process without Horovod installed, it sets up a world of one
     process and does nothing else. A second call returns the same world.
 
+    It is the one function that starts an engine: call it once at the top of a
+    training script, before building the model or wrapping the optimizer. The
+    accessors and collectives never call it (see the module docstring).
+
     Args:
         engine: ``"auto"``, ``"horovod"`` or ``"jax"``.
 
@@ -122,8 +143,18 @@ def init(engine: str = "auto") -> World:
     import keras
 
     chosen = choose_engine(engine, keras.backend.backend(), _env.launched_engine())
-    if _STATE.initialized:
+    if _STATE.engine is not None:
         return _STATE.world
+    started = _start(chosen)
+    _STATE.world = _world_of(started)
+    _STATE.engine = started
+    if started.name == "horovod":
+        _configure_local_gpu(_STATE.world.local_rank)
+    return _STATE.world
+
+
+def _start(chosen: str) -> Engine:
+    """Start the ``chosen`` engine if the launcher started a job for it, else one process."""
     n = _env.launched_world_size()
     elastic = _env.launched_elastic()
     local_run = _env.launched_local_run_size()
@@ -134,21 +165,14 @@ def init(engine: str = "auto") -> World:
             "This process was started by kmp's local launcher (KMP_SIZE), which runs JAX-engine "
             "jobs; Horovod needs horovodrun. Launch with kmp launch (--engine horovod)."
         )
-    hvd = None
     if chosen == "horovod" and (n is not None or elastic):
-        hvd = _horovod.start(n or 1, elastic=elastic)
-    if hvd is None:
-        _STATE.world = _single()
-        _STATE.initialized = True
-        return _STATE.world
-    _STATE.hvd = hvd
-    _STATE.world = _horovod_world(hvd)
-    _STATE.initialized = True
-    _configure_local_gpu(_STATE.world.local_rank)
-    return _STATE.world
+        started = _horovod.start(n or 1, elastic=elastic)
+        if started is not None:
+            return started
+    return SINGLE_PROCESS
 
 
-def _start_jax(n: int) -> World:
+def _start_jax(n: int) -> Engine:
     coordinator = _env.launched_coordinator()
     process_id = _env.launched_rank()
     if coordinator is None or process_id is None:
@@ -169,35 +193,7 @@ def _start_jax(n: int) -> World:
         timeout_s=_env.launched_jax_timeout(),
         local_device=local_rank_ if shared else None,
     )
-    layout = _jax.local_layout(local_rank_, local_size_, _env.launcher_cross())
-    rank_, size_, local_rank_, local_size_, cross_rank_, cross_size_ = layout
-    _STATE.jax = True
-    _STATE.world = World(
-        rank_,
-        size_,
-        local_rank_,
-        local_size_,
-        False,
-        cross_rank=cross_rank_,
-        cross_size=cross_size_,
-        engine="jax",
-    )
-    _STATE.initialized = True
-    return _STATE.world
-
-
-def _horovod_world(hvd: ModuleType) -> World:
-    rank_, size_, local_rank_, local_size_, cross_rank_, cross_size_ = _horovod.local_layout(hvd)
-    return World(
-        rank_,
-        size_,
-        local_rank_,
-        local_size_,
-        True,
-        cross_rank=cross_rank_,
-        cross_size=cross_size_,
-        engine="horovod",
-    )
+    return _jax.JaxEngine(local_rank_, local_size_, _env.launcher_cross())
 
 
 def restart() -> World:
@@ -211,15 +207,12 @@ def restart() -> World:
         The new :class:`World` of this process.
 
     Raises:
-        RuntimeError: Horovod is not running (a single process has no world to restart).
+        RuntimeError: Horovod is not running (a single process has no world to
+            restart; a launched one must call :func:`init` first).
     """
-    if _STATE.hvd is None:
-        raise RuntimeError(
-            "kmp.distributed.restart() needs a running Horovod job (started by horovodrun); "
-            "this process runs alone."
-        )
-    _horovod.restart(_STATE.hvd)
-    _STATE.world = _horovod_world(_STATE.hvd)
+    running = engine()
+    running.restart()
+    _STATE.world = _world_of(running)
     return _STATE.world
 
 
@@ -245,56 +238,90 @@ def _configure_local_gpu(local_rank_: int) -> None:
         )
 
 
-def _ensure() -> World:
-    return _STATE.world if _STATE.initialized else init()
+def _launched_size() -> int:
+    """The number of processes the launcher announced (1 without a launcher)."""
+    return _env.launched_world_size() or _env.launched_local_run_size() or 1
 
 
-def _engine() -> ModuleType | None:
-    """Horovod's TF module when more than one Horovod process runs, else None (initialising)."""
-    w = _ensure()
-    return _STATE.hvd if w.size > 1 else None
+def _not_started(what: str) -> RuntimeError:
+    elastic = " (an elastic job)" if _env.launched_elastic() else ""
+    return RuntimeError(
+        f"{what}: the launcher started {_launched_size()} process(es){elastic}, but "
+        "kmp.distributed.init() has not run, so no engine carries the collectives. Call "
+        "kmp.distributed.init() once at the top of the script, before building the model "
+        "or wrapping the optimizer (kmp does not start the engine on first use)."
+    )
 
 
-def _jax_engine() -> bool:
-    """True when more than one process runs on the JAX engine (initialising first)."""
-    w = _ensure()
-    return _STATE.jax and w.size > 1
+def _launched_world() -> World:
+    """The :class:`World` the launcher announced, before :func:`init` (nothing started)."""
+    n = _launched_size()
+    if n == 1:
+        return _world_of(SINGLE_PROCESS)
+    rank_ = _env.launched_rank()
+    if rank_ is None:
+        raise _not_started("This process's rank is unknown")
+    place = (_env.launcher_local_rank(), _env.launcher_local_size(), _env.launcher_cross())
+    rank_, n, local_rank_, local_size_, cross_rank_, cross_size_ = layout(rank_, n, *place)
+    return World(
+        rank_, n, local_rank_, local_size_, False, cross_rank=cross_rank_, cross_size=cross_size_
+    )
+
+
+def engine() -> Engine:
+    """Return the engine that carries this process's collectives, never starting one.
+
+    It is the engine :func:`init` started; before :func:`init`, the
+    single-process engine when the launcher started one process (or none).
+
+    Raises:
+        RuntimeError: The launcher started several processes, or an elastic job,
+            and :func:`init` has not run; the message says to call it.
+    """
+    if _STATE.engine is not None:
+        return _STATE.engine
+    if _launched_size() > 1 or _env.launched_elastic():
+        raise _not_started("kmp.distributed needs its engine")
+    return SINGLE_PROCESS
 
 
 def is_initialized() -> bool:
     """Return True once :func:`init` has run (in either mode)."""
-    return _STATE.initialized
+    return _STATE.engine is not None
 
 
 def world() -> World:
-    """Return the :class:`World` of this process (initialising on first use)."""
-    return _ensure()
+    """Return the :class:`World` of this process.
+
+    After :func:`init`, the engine's; before, the one the launcher announced in
+    the environment (``engine="none"``: nothing is started), or a world of one.
+    """
+    return _STATE.world if _STATE.engine is not None else _launched_world()
 
 
 def uses_horovod() -> bool:
-    """Return True when Horovod runs the collectives (launched by horovodrun)."""
-    _ensure()
-    return _STATE.hvd is not None
+    """Return True when Horovod runs the collectives (after :func:`init`, under horovodrun)."""
+    return _STATE.engine is not None and _STATE.engine.name == "horovod"
 
 
 def rank() -> int:
     """Return the global rank of this process (0 in a single process)."""
-    return _ensure().rank
+    return world().rank
 
 
 def size() -> int:
     """Return the number of processes (1 in a single process)."""
-    return _ensure().size
+    return world().size
 
 
 def local_rank() -> int:
     """Return the rank of this process on its host (0 in a single process)."""
-    return _ensure().local_rank
+    return world().local_rank
 
 
 def local_size() -> int:
     """Return the number of processes on this host (1 in a single process)."""
-    return _ensure().local_size
+    return world().local_size
 
 
 def is_chief() -> bool:
@@ -303,16 +330,12 @@ def is_chief() -> bool:
 
 
 def _reset_for_tests() -> None:
-    """Forget the initialised state (single-process tests only).
+    """Forget the initialised state (single-process tests only; import it from this module).
 
     Raises:
         RuntimeError: Horovod is running; a live job cannot be reset.
     """
-    if _STATE.hvd is not None and "horovod.tensorflow" in sys.modules:
-        raise RuntimeError("Cannot reset a running Horovod job.")
-    if _STATE.jax:
-        _jax.remove_initial_values_hook()
-    _STATE.initialized = False
-    _STATE.hvd = None
-    _STATE.jax = False
-    _STATE.world = _single()
+    if _STATE.engine is not None:
+        _STATE.engine.close()
+    _STATE.engine = None
+    _STATE.world = _world_of(SINGLE_PROCESS)

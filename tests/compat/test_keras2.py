@@ -25,12 +25,13 @@ def _restore_tf_keras_policy():
 def one_process(monkeypatch):
     """A process not started by a launcher: kmp.distributed is a world of one."""
     from kmp import distributed
+    from kmp.distributed.world import _reset_for_tests
 
     for var in distributed.LAUNCH_SIZE_VARS:
         monkeypatch.delenv(var, raising=False)
-    distributed._reset_for_tests()
+    _reset_for_tests()
     yield
-    distributed._reset_for_tests()
+    _reset_for_tests()
 
 
 # ------------------------------------------------------------------ detection

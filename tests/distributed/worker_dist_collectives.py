@@ -1,6 +1,8 @@
-"""Worker: kmp.distributed collectives on real ranks (started by tests/test_distributed.py)."""
+"""Worker: kmp.distributed collectives on real ranks (started by test_collectives.py)."""
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 from _common import write_result
@@ -8,7 +10,22 @@ from _common import write_result
 import kmp.distributed as dist
 
 
+def before_init() -> dict:
+    """What the getters and a collective do before init(): nothing is started."""
+    seen = [dist.rank(), dist.size(), dist.is_initialized(), dist.uses_horovod()]
+    try:
+        dist.barrier()
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    return {
+        "before_init": [*seen, "horovod.tensorflow" in sys.modules],
+        "refused_before_init": refused,
+    }
+
+
 def main() -> None:
+    early = before_init()
     world = dist.init()
     assert dist.init() is world  # idempotent
     import keras
@@ -19,6 +36,7 @@ def main() -> None:
         "world": [world.rank, world.size, world.local_rank, world.local_size, world.horovod],
         "is_chief": dist.is_chief(),
         "uses_horovod": dist.uses_horovod(),
+        **early,
     }
     x = tf.constant([1.0 + r, 10.0 * (r + 1)])
     for op in ("average", "sum", "min", "max", "product"):
@@ -44,12 +62,12 @@ def main() -> None:
         out[f"max_{comp}"] = dist.allreduce(y, op="max", compression=comp).numpy().tolist()
     # kmp's scatter path for compressed sums (alltoall, float32 sum, allgather): an int rides
     # along (ordinary allreduce), a bfloat16 input of odd size is padded, dtypes are kept.
-    from kmp.distributed import _horovod, collectives
+    from kmp.distributed import _horovod
 
     odd = tf.cast(tf.constant([1.0 + r, 2.0, 3.0 * (r + 1)]), tf.bfloat16)
     for comp in ("fp16", "bf16"):
         got = _horovod.grouped_allreduce(
-            collectives._engine(), [y, tf.constant([r + 1], tf.int32), odd], "sum", comp,
+            dist.engine().hvd, [y, tf.constant([r + 1], tf.int32), odd], "sum", comp,
             path="scatter",
         )  # fmt: skip
         out[f"scatter_{comp}"] = [np.asarray(tf.cast(g, tf.float32)).tolist() for g in got]

@@ -1,4 +1,4 @@
-"""Worker: an Embedding model on the JAX engine, 2 processes (tests/test_sparse.py).
+"""Worker: an Embedding model on the JAX engine, 2 processes (tests/distributed/test_sparse.py).
 
 Started by ``kmp launch --engine jax -np 2``. JAX gradients are dense arrays, so
 ``sparse_gradients`` changes nothing here: each process fits a token + position

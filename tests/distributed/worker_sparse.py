@@ -1,4 +1,4 @@
-"""Worker: sparse gradients (tf.IndexedSlices) on 2 real Horovod ranks (tests/test_sparse.py).
+"""Worker: sparse gradients (tf.IndexedSlices) on 2 Horovod ranks (distributed/test_sparse.py).
 
 Usage: ``worker_sparse.py SECTION [SECTION ...]``. Each rank trains on its own data and
 writes what it measured under the section's key of this rank's JSON result.
@@ -8,7 +8,7 @@ Sections:
             LayerNormalization, Dense head) fitted under float32 (no compression)
             and mixed_bfloat16 (bf16 compression) for both sparse_gradients
             strategies: the ranks must end bit-identical. (Accumulation with
-            sparse gradients: tests/test_sparse.py, in one process.)
+            sparse gradients: tests/distributed/test_sparse.py, in one process.)
   overflow  a custom loop under mixed_float16 (fp16 compression) that puts an inf
             into the token embedding's gradient on rank 1 at step 2 only, for both
             strategies.

@@ -6,6 +6,7 @@ real 2-rank jobs are ``tests/distributed/worker_sparse.py`` and ``worker_jax_spa
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import ClassVar
 
@@ -16,7 +17,7 @@ import tensorflow as tf
 
 import kmp.distributed as dist
 from kmp.compat import v1 as kv1
-from kmp.distributed import collectives, sparse
+from kmp.distributed import _horovod, sparse
 from kmp.optimizer import DistributedLossScaleOptimizer, wrap_optimizer
 from tests._support import requires_horovod, run_workers
 
@@ -105,9 +106,11 @@ class TwinHorovod:
 
 @pytest.fixture
 def twin(monkeypatch):
+    """kmp.distributed's engine is Horovod's, on a :class:`TwinHorovod` of two ranks."""
     hvd = TwinHorovod()
-    monkeypatch.setattr(collectives, "_engine", lambda: hvd)
-    monkeypatch.setattr(collectives, "_jax_engine", lambda: False)
+    world_mod = sys.modules["kmp.distributed.world"]  # kmp.distributed.world is the function
+    two = dist.World(0, 2, 0, 2, True, engine="horovod")
+    monkeypatch.setattr(world_mod, "_STATE", world_mod._State(_horovod.HorovodEngine(hvd), two))
     return hvd
 
 
@@ -235,7 +238,10 @@ def test_the_tf_keras_path_hands_the_knob_to_horovod(monkeypatch, setting, passe
     tf_keras = pytest.importorskip("tf_keras")
     from kmp.compat import keras2
 
-    monkeypatch.setattr(dist, "init", lambda: types.SimpleNamespace(horovod=True, size=2))
+    two = types.SimpleNamespace(horovod=True, size=2)
+    monkeypatch.setattr(dist, "init", lambda: two)  # what the tf-keras path asks, however it asks
+    monkeypatch.setattr(dist, "world", lambda: two)
+    monkeypatch.setattr(dist, "engine", lambda: types.SimpleNamespace(name="horovod"))
     monkeypatch.setattr(keras2, "optional_import", lambda name, feature: FakeHorovodKeras)
     opt = tf_keras.optimizers.SGD()
     wrapped = keras2.wrap_optimizer(
