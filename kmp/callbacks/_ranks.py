@@ -15,7 +15,7 @@ import numpy as np
 from kmp import distributed
 from kmp._checks import check_choice, check_int
 
-__all__ = ["verbosity"]
+__all__ = ["innermost_optimizer", "verbosity"]
 
 _VERBOSITY_HINT = "Use 'auto', 0, 1 or 2, as for model.fit(verbose=...)."
 
@@ -63,7 +63,7 @@ def _model_optimizer(callback: keras.callbacks.Callback, what: str) -> keras.opt
     return optimizer
 
 
-def _innermost(optimizer: Any) -> Any:
+def innermost_optimizer(optimizer: Any) -> Any:
     """Follow the ``inner_optimizer`` chain (loss scaling, kmp wrappers) to its end."""
     seen = set()
     while getattr(optimizer, "inner_optimizer", None) is not None and id(optimizer) not in seen:

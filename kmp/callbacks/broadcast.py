@@ -9,6 +9,7 @@ import keras
 from kmp import distributed
 from kmp._checks import check_int
 from kmp.callbacks._ranks import _model_optimizer, _size
+from kmp.distributed.collectives import unique_variables
 
 __all__ = ["BroadcastInitialState"]
 
@@ -49,13 +50,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
         optimizer = _model_optimizer(self, "BroadcastInitialState")
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        variables: list[keras.Variable] = []
-        seen: set[int] = set()
-        for v in [*model.weights, *optimizer.variables]:
-            if id(v) not in seen:
-                seen.add(id(v))
-                variables.append(v)
-        return variables
+        return unique_variables([*model.weights, *optimizer.variables])
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Broadcast the state from ``root``."""

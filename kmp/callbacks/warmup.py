@@ -7,7 +7,13 @@ from typing import Any
 import keras
 
 from kmp._checks import check_int, check_number
-from kmp.callbacks._ranks import _chief_print, _innermost, _model_optimizer, _size, _to_float
+from kmp.callbacks._ranks import (
+    _chief_print,
+    _model_optimizer,
+    _size,
+    _to_float,
+    innermost_optimizer,
+)
 
 __all__ = ["LearningRateWarmup"]
 
@@ -127,7 +133,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Resolve the start and target rates and the epoch length."""
         optimizer = _model_optimizer(self, "LearningRateWarmup")
-        inner = _innermost(optimizer)
+        inner = innermost_optimizer(optimizer)
         raw = getattr(inner, "_learning_rate", None)
         if isinstance(raw, keras.optimizers.schedules.LearningRateSchedule) or (
             callable(raw) and not isinstance(raw, keras.Variable)

@@ -26,7 +26,7 @@ from kmp._imports import INSTALL_HINTS, optional_import
 from kmp.distributed import sparse
 from kmp.distributed._scatter_reduce import scatter_reduce
 from kmp.distributed.buckets import overlap_warning, payload_bytes, plan_buckets
-from kmp.distributed.engines import Engine, Layout
+from kmp.distributed.engines import Engine, Layout, Transport
 
 __all__ = [
     "COMPRESSED_PATH",
@@ -163,14 +163,7 @@ class HorovodEngine(Engine):
             t = tf.reshape(t, [1])
         return self.hvd.allgather(t)
 
-    def grouped_allreduce(
-        self,
-        tensors: Sequence[Any],
-        op: str,
-        compression: str | None,
-        bucket_bytes: int | None,
-        sparse_gradients: str,
-    ) -> list[Any]:
+    def grouped_allreduce(self, tensors: Sequence[Any], op: str, how: Transport) -> list[Any]:
         """Reduce ``tensors`` in buckets of fused operations; gathered sparse gradients last.
 
         Dense values and sparse gradients sent ``"dense"`` go in the buckets of
@@ -183,9 +176,8 @@ class HorovodEngine(Engine):
         import tensorflow as tf
 
         result: list[Any] = list(tensors)
-        gather = [
-            i for i, t in enumerate(tensors) if sparse_gradients == "gather" and sparse.is_sparse(t)
-        ]
+        gathering = how.sparse_gradients == "gather"
+        gather = [i for i, t in enumerate(tensors) if gathering and sparse.is_sparse(t)]
         idx = [i for i in range(len(tensors)) if i not in gather]
         dense = [
             sparse.densify(tensors[i])
@@ -193,17 +185,18 @@ class HorovodEngine(Engine):
             else tf.convert_to_tensor(_as_tf_variable(tensors[i]))
             for i in idx
         ]
-        plan = plan_buckets([payload_bytes([t], compression) for t in dense], bucket_bytes)
+        comp = how.compression
+        plan = plan_buckets([payload_bytes([t], comp) for t in dense], how.bucket_bytes)
         message = overlap_warning(len(plan), tf.config.threading.get_inter_op_parallelism_threads())
         if message:  # stacklevel: the caller of kmp.distributed.grouped_allreduce
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         for bucket in plan:
-            reduced = grouped_allreduce(self.hvd, [dense[j] for j in bucket], op, compression)
+            reduced = grouped_allreduce(self.hvd, [dense[j] for j in bucket], op, comp)
             for j, r in zip(bucket, reduced, strict=True):
                 result[idx[j]] = r
         if gather:
             slices = [tensors[i] for i in gather]
-            gathered = grouped_allgather_slices(self.hvd, slices, op, compression)
+            gathered = grouped_allgather_slices(self.hvd, slices, op, comp)
             for i, r in zip(gather, gathered, strict=True):
                 result[i] = r
         return result

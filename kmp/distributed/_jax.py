@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kmp.distributed.engines import Engine, Layout, layout
+from kmp.distributed.engines import Engine, Layout, Transport, layout
 
 __all__ = [
     "JaxEngine",
@@ -308,15 +308,8 @@ class JaxEngine(Engine):
         """Return process ``root``'s ``obj``."""
         return broadcast_object(obj, root)
 
-    def grouped_allreduce(
-        self,
-        tensors: Sequence[Any],
-        op: str,
-        compression: str | None,
-        bucket_bytes: int | None,
-        sparse_gradients: str,
-    ) -> list[Any]:
-        """Reduce host values (``compression``, buckets and sparse strategy do not apply)."""
+    def grouped_allreduce(self, tensors: Sequence[Any], op: str, how: Transport) -> list[Any]:
+        """Reduce host values (``how``: compression, buckets, sparse strategy do not apply)."""
         return grouped_allreduce(tensors, op)
 
     def allgather(self, x: Any) -> np.ndarray:

@@ -21,7 +21,7 @@ from kmp._checks import check_int
 from kmp._names import normalize_compression, normalize_reduce_op
 from kmp.distributed import sparse
 from kmp.distributed.buckets import check_bucket_bytes
-from kmp.distributed.engines import SINGLE_PROCESS, Engine
+from kmp.distributed.engines import SINGLE_PROCESS, Engine, Transport
 from kmp.distributed.sparse import DEFAULT_SPARSE_GRADIENTS, check_sparse_gradients
 from kmp.distributed.world import engine, world
 
@@ -269,8 +269,8 @@ def grouped_allreduce(
     strategy = check_sparse_gradients(sparse_gradients)
     tensors = list(tensors)
     idx = [i for i, t in enumerate(tensors) if t is not None]
-    gather = [i for i in idx if strategy == "gather" and sparse.is_sparse(tensors[i])]
-    if gather and op not in ("average", "sum"):
+    gathered = strategy == "gather" and any(sparse.is_sparse(tensors[i]) for i in idx)
+    if gathered and op not in ("average", "sum"):
         raise ValueError(
             f"Sparse gradients (tf.IndexedSlices) can be gathered for op='average' or 'sum', "
             f"not {op!r}; pass sparse_gradients='dense' to reduce them as dense tensors."
@@ -278,7 +278,8 @@ def grouped_allreduce(
     running = _engine()
     if not idx:
         return tensors
-    reduced = running.grouped_allreduce([tensors[i] for i in idx], op, comp, bucket_bytes, strategy)
+    how = Transport(comp, bucket_bytes, strategy)
+    reduced = running.grouped_allreduce([tensors[i] for i in idx], op, how)
     for i, r in zip(idx, reduced, strict=True):
         tensors[i] = r
     return tensors

@@ -24,18 +24,41 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from kmp._checks import check_choice
 from kmp._names import ENGINE_CHOICES
 
-__all__ = ["ENGINES", "SINGLE_PROCESS", "Engine", "SingleProcess", "choose_engine", "layout"]
+__all__ = [
+    "ENGINES",
+    "SINGLE_PROCESS",
+    "Engine",
+    "SingleProcess",
+    "Transport",
+    "choose_engine",
+    "layout",
+]
 
 ENGINES = ENGINE_CHOICES  # kept for kmp.distributed.ENGINES; the names live in kmp._names
 _BACKEND_OF = {"horovod": "tensorflow", "jax": "jax"}
 
 # (rank, size, local_rank, local_size, cross_rank, cross_size)
 Layout = tuple[int, int, int, int, int, int]
+
+
+class Transport(NamedTuple):
+    """How a grouped allreduce's tensors travel (checked and canonical settings).
+
+    Attributes:
+        compression: None, ``"fp16"`` or ``"bf16"`` (:data:`kmp._names.COMPRESSIONS`).
+        bucket_bytes: Bytes per bucket, or None for one fused operation
+            (:mod:`kmp.distributed.buckets`).
+        sparse_gradients: ``"dense"`` or ``"gather"`` (:mod:`kmp.distributed.sparse`).
+    """
+
+    compression: str | None
+    bucket_bytes: int | None
+    sparse_gradients: str
 
 
 class Engine(abc.ABC):
@@ -93,15 +116,8 @@ class Engine(abc.ABC):
         """Return rank ``root``'s ``obj``."""
 
     @abc.abstractmethod
-    def grouped_allreduce(
-        self,
-        tensors: Sequence[Any],
-        op: str,
-        compression: str | None,
-        bucket_bytes: int | None,
-        sparse_gradients: str,
-    ) -> list[Any]:
-        """Reduce ``tensors`` (no None among them) with canonical ``op`` and ``compression``."""
+    def grouped_allreduce(self, tensors: Sequence[Any], op: str, how: Transport) -> list[Any]:
+        """Reduce ``tensors`` (no None among them) with canonical ``op``, sent ``how`` says."""
 
     @abc.abstractmethod
     def allgather(self, x: Any) -> Any:
@@ -131,14 +147,7 @@ class SingleProcess(Engine):
         """``obj`` itself."""
         return obj
 
-    def grouped_allreduce(
-        self,
-        tensors: Sequence[Any],
-        op: str,
-        compression: str | None,
-        bucket_bytes: int | None,
-        sparse_gradients: str,
-    ) -> list[Any]:
+    def grouped_allreduce(self, tensors: Sequence[Any], op: str, how: Transport) -> list[Any]:
         """The tensors themselves."""
         return list(tensors)
 

@@ -62,7 +62,8 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
     before ``func`` in the decorated call: a new worker syncs first.
 
     In a process that Horovod does not run (no launcher), ``func`` is simply
-    called.
+    called. A launched job must call ``kmp.distributed.init()`` first: the
+    decorated call raises a ``RuntimeError`` that says so otherwise.
 
     Example::
 
@@ -85,6 +86,7 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                     f"The first argument of a kmp.elastic.run function must be a "
                     f"kmp.elastic.KerasState, got {type(state).__name__}."
                 )
+        distributed.engine()  # an elastic launch without kmp.distributed.init() stops here
         if not distributed.uses_horovod():
             return func(state, *args, **kwargs)
         from horovod.common.elastic import notification_manager

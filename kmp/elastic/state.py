@@ -29,7 +29,7 @@ import keras
 import numpy as np
 
 from kmp import distributed
-from kmp.callbacks._ranks import _innermost
+from kmp.callbacks._ranks import innermost_optimizer
 from kmp.distributed.collectives import unique_variables
 
 __all__ = ["KerasState"]
@@ -263,7 +263,7 @@ class KerasState:
             callback()
 
     def __repr__(self) -> str:
-        inner = type(_innermost(self.optimizer)).__name__
+        inner = type(innermost_optimizer(self.optimizer)).__name__
         return (
             f"KerasState(model={self.model.name!r}, epoch={self.epoch}, batch={self.batch}, "
             f"samples_done={self.samples_done}, optimizer={inner})"

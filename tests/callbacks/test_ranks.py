@@ -62,8 +62,8 @@ def test_model_optimizer_and_innermost():
     cb.set_model(make_model(keras.optimizers.LossScaleOptimizer(inner)))
     optimizer = _ranks._model_optimizer(cb, "Test")
     assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    assert _ranks._innermost(optimizer) is inner
-    assert _ranks._innermost(inner) is inner
+    assert _ranks.innermost_optimizer(optimizer) is inner
+    assert _ranks.innermost_optimizer(inner) is inner
     cb.set_model(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))  # not compiled
     with pytest.raises(ValueError, match=r"Test needs a compiled model.*model\.compile"):
         _ranks._model_optimizer(cb, "Test")

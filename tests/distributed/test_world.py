@@ -404,7 +404,7 @@ def test_every_engine_has_the_whole_interface():
     assert not _jax.JaxEngine(None, None, None).optimizer_averages
     assert _horovod.HorovodEngine(object()).optimizer_averages
     x = [1.0, 2.0]
-    assert single.grouped_allreduce(x, "sum", "fp16", 4, "gather") == x
+    assert single.grouped_allreduce(x, "sum", engines.Transport("fp16", 4, "gather")) == x
     assert single.broadcast_object(x, 0) is x and single.broadcast_variables(x, 0) is None
     with pytest.raises(RuntimeError, match=r"needs a running Horovod job.*this process runs alone"):
         single.restart()

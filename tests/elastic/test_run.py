@@ -180,3 +180,22 @@ def test_fit_and_the_callback_check_their_arguments():
         CommitCallback(state, record_examples=True)
     with pytest.raises(TypeError, match="KerasState"):
         CommitCallback(object())
+
+
+def test_an_elastic_launch_without_init_is_told_to_call_it(monkeypatch):
+    # kmp.distributed starts no engine by itself (issue 28): an elastic worker that did not
+    # call init() stops at the decorated call instead of training alone.
+    import sys
+
+    world_mod = sys.modules["kmp.distributed.world"]  # kmp.distributed.world is the function
+    monkeypatch.setattr(world_mod, "_STATE", world_mod._State())
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    monkeypatch.setenv("HOROVOD_SIZE", "1")
+    state = small_state()
+
+    @run
+    def train(s):
+        pytest.fail("trained without an engine")
+
+    with pytest.raises(RuntimeError, match=r"elastic job.*Call kmp\.distributed\.init\(\)"):
+        train(state)

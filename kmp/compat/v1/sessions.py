@@ -16,6 +16,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 
 from kmp import _checks
 from kmp import gpu as _gpu
+from kmp._launcher_env import launcher_local_rank
 from kmp._names import MIXED_POLICIES
 
 __all__ = ["MIXED_PRECISION_REWRITES", "build_session_config", "session", "session_config"]
@@ -191,7 +192,7 @@ def session_config(
     needs_rank = (
         isinstance(visible_devices, str) and visible_devices.strip().lower() == "local_rank"
     )
-    local_rank = _gpu._current_local_rank() if needs_rank and physical else None
+    local_rank = launcher_local_rank() if needs_rank and physical else None
     shared = False
     if local_rank is not None:  # kmp.gpu's rule for more ranks than GPUs, and its warning
         plan = _gpu.plan_gpus(physical, visible="local_rank", local_rank=local_rank)
