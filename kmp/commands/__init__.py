@@ -1,4 +1,4 @@
-"""The ``kmp`` command-line commands, one module each.
+"""The ``kmp`` command-line commands, one thin module each.
 
 Each module is split as parser / command / main:
 
@@ -6,14 +6,20 @@ Each module is split as parser / command / main:
 * ``run(args) -> int`` does the work and returns the exit status;
 * ``main(argv=None) -> int`` parses ``argv`` and calls ``run`` (``python -m kmp.commands.X``).
 
-:mod:`kmp.cli` collects them under one ``kmp`` program; a command's module is its
-name with ``-`` spelled ``_`` (``install-horovod``: :mod:`kmp.commands.install_horovod`).
+The machinery they drive lives in packages by concern: :mod:`kmp.launching`
+(``kmp launch``), :mod:`kmp.cluster` (``kmp cluster``) and :mod:`kmp.install`
+(``kmp install-horovod``, ``kmp doctor``). :mod:`kmp.cli` collects the commands
+under one ``kmp`` program; a command's module is its name with ``-`` spelled
+``_`` (``install-horovod``: :mod:`kmp.commands.install_horovod`).
 """
 
 COMMANDS: dict[str, str] = {
     "doctor": "Show versions, Horovod build facts, hardware and the policy 'auto' picks.",
     "audit": "Audit a saved Keras model's layer dtypes; exit 1 when it is not ok.",
-    "launch": "Run a training script on N processes under horovodrun.",
+    "launch": (
+        "Run a training script on N processes (under horovodrun; a JAX-engine job on this "
+        "machine alone through kmp's own launcher)."
+    ),
     "bench": "Run kmp's benchmarks and write bench/results/.",
     "cluster": "Make a multi-host cluster on this Linux machine (network namespaces, sshd).",
     "install-horovod": (

@@ -27,8 +27,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kmp.commands import cluster_ops as ops
-from kmp.commands import cluster_plan as cp
+from kmp.cluster import ops
+from kmp.cluster import plan as cp
 
 __all__ = ["configure", "main", "run"]
 
