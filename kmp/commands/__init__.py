@@ -4,7 +4,8 @@ Each module is split as parser / command / main:
 
 * ``configure(parser)`` adds the command's arguments to an ``argparse`` parser;
 * ``run(args) -> int`` does the work and returns the exit status;
-* ``main(argv=None) -> int`` parses ``argv`` and calls ``run`` (``python -m kmp.commands.X``).
+* ``main(argv=None) -> int`` parses ``argv`` and calls ``run`` (``python -m kmp.commands.X``),
+  through :func:`command_main`.
 
 The machinery they drive lives in packages by concern: :mod:`kmp.launching`
 (``kmp launch``), :mod:`kmp.cluster` (``kmp cluster``) and :mod:`kmp.install`
@@ -12,6 +13,14 @@ The machinery they drive lives in packages by concern: :mod:`kmp.launching`
 under one ``kmp`` program; a command's module is its name with ``-`` spelled
 ``_`` (``install-horovod``: :mod:`kmp.commands.install_horovod`).
 """
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["COMMANDS", "command_main"]
 
 COMMANDS: dict[str, str] = {
     "doctor": "Show versions, Horovod build facts, hardware and the policy 'auto' picks.",
@@ -27,3 +36,17 @@ COMMANDS: dict[str, str] = {
         "and verified."
     ),
 }
+
+
+def command_main(module_name: str, argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` as the arguments of the command in ``module_name``, then run it.
+
+    The ``main`` of every command module (``python -m kmp.commands.X``): the same
+    parser as ``kmp X`` builds, named and described from :data:`COMMANDS`.
+    """
+    module = sys.modules[module_name]
+    spec = module.__spec__  # under ``python -m`` the module is ``__main__``; its spec knows
+    name = (spec.name if spec else module_name).rpartition(".")[2].replace("_", "-")
+    parser = argparse.ArgumentParser(prog=f"kmp {name}", description=COMMANDS[name])
+    module.configure(parser)
+    return int(module.run(parser.parse_args(argv)) or 0)

@@ -12,6 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from kmp.commands import command_main
 from kmp.install.doctor import collect, format_report
 
 __all__ = ["configure", "main", "run"]
@@ -30,10 +31,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kmp.commands.doctor``."""
-    parser = argparse.ArgumentParser(prog="kmp doctor", description=__doc__.splitlines()[0])
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """Parse ``argv`` as ``kmp doctor`` arguments and run (``python -m kmp.commands.doctor``)."""
+    return command_main(__name__, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

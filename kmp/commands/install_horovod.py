@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from kmp.commands import command_main
 from kmp.install import build, cuda, record
 from kmp.install import plan as ip
 
@@ -105,12 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kmp.commands.install_horovod``."""
-    parser = argparse.ArgumentParser(
-        prog="kmp install-horovod", description=__doc__.splitlines()[0]
-    )
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """Parse ``argv`` as ``kmp install-horovod`` arguments and run (``python -m`` entry)."""
+    return command_main(__name__, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

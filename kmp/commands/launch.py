@@ -30,6 +30,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kmp.commands import command_main
 from kmp.launching.elastic import configure_elastic, options_from_args
 from kmp.launching.engines import configure_engine
 from kmp.launching.hosts import LaunchError, parse_hosts, read_hostfile
@@ -147,10 +148,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` as ``kmp launch`` arguments and run."""
-    parser = argparse.ArgumentParser(prog="kmp launch", description=__doc__.splitlines()[0])
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """Parse ``argv`` as ``kmp launch`` arguments and run (``python -m kmp.commands.launch``)."""
+    return command_main(__name__, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover
