@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp._version",
             "kmp._names",
             "kmp._checks",
+            "kmp._deprecation",
             "kmp._imports",
             "kmp._legacy_keras",
             "kmp._launcher_env",
@@ -49,6 +50,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "kmp.learning_rate",
             "kmp.compensated",
+            "kmp.optimizer_settings",
+            "kmp.accumulation",
             "kmp.scaling_optimizer",
             "kmp.optimizer",
             "kmp.xla",
