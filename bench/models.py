@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -53,6 +54,7 @@ def _train_script() -> ModuleType:
             "ones of launch/train.py; run the benchmarks from a full kmp checkout."
         )
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -84,7 +84,7 @@ def panel_memory(ax, res: dict | None) -> None:
 
 
 def panel_allreduce(ax, figures: dict[str, dict]) -> None:
-    """``figures``: per-model allreduce figures (see ``suite.allreduce_figures``)."""
+    """``figures``: per-model allreduce figures (``targets.allreduce_figures``)."""
     title = "Allreduce of one step's gradients (2 ranks)"
     if not figures:
         return _empty(ax, title)
@@ -105,14 +105,14 @@ def panel_allreduce(ax, figures: dict[str, dict]) -> None:
 
 
 def panel_scaling(ax, efficiencies: dict[str, float], overhead: dict | None) -> None:
-    """``efficiencies``: weak-scaling efficiency per model/policy (see ``suite.efficiencies``)."""
-    import suite
+    """``efficiencies``: weak-scaling efficiency per model/policy (``targets.efficiencies``)."""
+    from targets import overhead_ratio
 
     title = "Weak scaling and wrapper speed"
     labels = [f"2-proc eff.\n{key}" for key in efficiencies]
     values = list(efficiencies.values())
     goals = [0.90] * len(values)
-    ratio = suite.overhead_ratio(overhead)
+    ratio = overhead_ratio(overhead)
     if ratio is not None:
         labels.append(f"kmp / Keras LSO\n{overhead.get('model', '')}")
         values.append(ratio)
@@ -142,7 +142,7 @@ def plot_summary(results: dict[str, Any], targets: list | None, path: Path) -> P
         ``path``.
     """
     import matplotlib
-    import suite
+    from targets import allreduce_figures, efficiencies
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -150,8 +150,8 @@ def plot_summary(results: dict[str, Any], targets: list | None, path: Path) -> P
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     panel_policies(axes[0][0], results.get("policies"))
     panel_memory(axes[0][1], results.get("memory"))
-    panel_allreduce(axes[1][0], suite.allreduce_figures(results.get("allreduce")))
-    panel_scaling(axes[1][1], suite.efficiencies(results.get("allreduce")), results.get("overhead"))
+    panel_allreduce(axes[1][0], allreduce_figures(results.get("allreduce")))
+    panel_scaling(axes[1][1], efficiencies(results.get("allreduce")), results.get("overhead"))
     title = "kmp benchmarks"
     if targets:
         met = sum(1 for t in targets if t.passed)

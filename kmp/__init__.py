@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "probe": "kmp.probing",
     "ProbeReport": "kmp.probing",
     "wrap_optimizer": "kmp._dispatch",
+    "OptimizerSettings": "kmp.optimizer_settings",
     "load_model": "kmp.saving",
     "configure_gpus": "kmp.gpu",
     "callbacks": "kmp.callbacks",
@@ -67,6 +68,7 @@ if _TYPE_CHECKING:  # pragma: no cover  (static analysers see the lazy names)
     from kmp.float32_layers import keep_float32  # noqa: F401
     from kmp.gpu import configure_gpus  # noqa: F401
     from kmp.layers import Float32Output, float32_outputs  # noqa: F401
+    from kmp.optimizer_settings import OptimizerSettings  # noqa: F401
     from kmp.policy import PolicyChoice, current_policy, disable, enable, policy_scope  # noqa: F401
     from kmp.probing import ProbeReport, probe  # noqa: F401
     from kmp.saving import load_model  # noqa: F401

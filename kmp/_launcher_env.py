@@ -43,7 +43,7 @@ __all__ = [
 ENGINE_VAR = "KMP_ENGINE"
 COORDINATOR_VAR = "KMP_COORDINATOR"
 JAX_TIMEOUT_VAR = "KMP_JAX_TIMEOUT"
-# Set by kmp's own local launcher (kmp.commands.local_run) for JAX-engine jobs:
+# Set by kmp's own local launcher (kmp.launching.local_run) for JAX-engine jobs:
 # rank, size, local rank, local size.
 LOCAL_RUN_VARS = ("KMP_RANK", "KMP_SIZE", "KMP_LOCAL_RANK", "KMP_LOCAL_SIZE")
 

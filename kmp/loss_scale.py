@@ -4,8 +4,9 @@ A :class:`LossScale` says *how* the loss is scaled (``"none"``, ``"static"`` or
 ``"dynamic"``) and with which knobs; :func:`update` is the one implementation
 of what happens after a step, used by every path kmp has:
 
-* the stateful Keras 3 path (TensorFlow, PyTorch): ``kmp.optimizer``;
-* the stateless Keras 3 path (JAX): ``kmp.optimizer`` too;
+* the stateful Keras 3 path (TensorFlow, PyTorch): ``kmp.scaling_optimizer``
+  (``DistributedLossScaleOptimizer.apply``, built by ``kmp.wrap_optimizer``);
+* the stateless Keras 3 path (JAX): ``kmp.scaling_optimizer`` too (``stateless_apply``);
 * TF1 graphs: ``kmp.compat.v1`` (the same function, on ``tf`` ops);
 * tf-keras: ``kmp.compat.keras2`` validates with the same class and hands the
   knobs that tf-keras's own ``LossScaleOptimizer`` has to it.
@@ -42,6 +43,7 @@ __all__ = [
     "DEFAULTS",
     "LossScale",
     "ScaleState",
+    "check_knob",
     "from_setting",
     "normalize_setting",
     "update",
@@ -97,39 +99,19 @@ class LossScale:
 
     def __post_init__(self) -> None:
         kind = _checks.check_choice("kind", self.kind, LOSS_SCALE_KINDS)
-        initial = _float32_scale("initial_scale", self.initial_scale)
-        interval = _checks.check_int("growth_interval", self.growth_interval, minimum=1)
-        growth = _checks.check_number(
-            "growth_factor", self.growth_factor, above=1, hint="2.0 doubles the scale."
-        )
-        backoff = _checks.check_number(
-            "backoff_factor", self.backoff_factor, above=0, below=1, hint="0.5 halves it."
-        )
-        low = _float32_scale("min_scale", self.min_scale)
-        high = _float32_scale("max_scale", self.max_scale)
+        values = {k: check_knob(k, getattr(self, k)) for k in KNOBS}
+        low, high, initial = values["min_scale"], values["max_scale"], values["initial_scale"]
         if low > high:
             raise ValueError(
                 f"`min_scale` ({low:g}) is larger than `max_scale` ({high:g}): pass a min_scale "
                 "<= max_scale."
             )
-        hysteresis = _checks.check_int(
-            "hysteresis", self.hysteresis, minimum=1, hint="1 backs off at every overflow."
-        )
         if kind == "dynamic" and not low <= initial <= high:
             raise ValueError(
                 f"`initial_scale` ({initial:g}) lies outside [min_scale, max_scale] = "
                 f"[{low:g}, {high:g}]: pass an initial_scale in that range, or widen it."
             )
-        for name, value in (
-            ("kind", kind),
-            ("initial_scale", initial),
-            ("growth_interval", interval),
-            ("growth_factor", growth),
-            ("backoff_factor", backoff),
-            ("min_scale", low),
-            ("max_scale", high),
-            ("hysteresis", hysteresis),
-        ):
+        for name, value in {"kind": kind, **values}.items():
             object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ reading
@@ -149,6 +131,16 @@ class LossScale:
         """The scale of the first step (1.0 when not scaling)."""
         return self.initial_scale if self.scaling else 1.0
 
+    @property
+    def setting(self) -> str | float | None:
+        """The ``loss_scale=`` setting that, with :meth:`knobs`, gives this rule under any policy.
+
+        ``"force_dynamic"`` for a dynamic rule, the scale for a static one, None for none.
+        """
+        if self.dynamic:
+            return "force_dynamic"
+        return self.initial_scale if self.scaling else None
+
     def knobs(self) -> dict[str, Any]:
         """Return the knobs (everything but ``kind``) as keyword arguments."""
         return {k: getattr(self, k) for k in KNOBS}
@@ -165,6 +157,29 @@ class LossScale:
     def start_state(self) -> ScaleState:
         """The state before the first step, as Python numbers."""
         return ScaleState(scale=self.start_scale, good_steps=0, overflow_streak=0, skipped=0)
+
+
+def check_knob(name: str, value: Any) -> Any:
+    """Check one knob on its own (its type and range) and return it as its type.
+
+    The checks that need two knobs (``min_scale <= max_scale``, a dynamic
+    ``initial_scale`` within them) are :class:`LossScale`'s.
+
+    Raises:
+        TypeError: ``name`` is not a knob, or ``value`` has the wrong type.
+        ValueError: ``value`` is out of range.
+    """
+    if name in ("initial_scale", "min_scale", "max_scale"):
+        return _float32_scale(name, value)
+    if name == "growth_interval":
+        return _checks.check_int(name, value, minimum=1)
+    if name == "growth_factor":
+        return _checks.check_number(name, value, above=1, hint="2.0 doubles the scale.")
+    if name == "backoff_factor":
+        return _checks.check_number(name, value, above=0, below=1, hint="0.5 halves it.")
+    if name == "hysteresis":
+        return _checks.check_int(name, value, minimum=1, hint="1 backs off at every overflow.")
+    raise TypeError(f"Unknown loss-scale knob {name!r}; the knobs are {', '.join(KNOBS)}.")
 
 
 def _float32_scale(name: str, value: Any, hint: str = "") -> float:

@@ -3,7 +3,9 @@
 One training step with a wrapped optimizer, on every rank::
 
     loss -> scale_loss (when scaling) -> gradients -> [accumulate N micro-batches]
-         -> grouped allreduces of the still-scaled gradients (optionally fp16/bf16),
+         -> allreduces of the still-scaled gradients in buckets of ``bucket_bytes``
+            (default 4 MiB), last layer first, overlapping the backward pass; one
+            grouped allreduce with ``bucket_bytes=None``; optionally sent as fp16/bf16;
             sparse ones (Embedding) densified or allgathered (``sparse_gradients``)
          -> finite check (the same answer on every rank)
          -> unscale and apply, or skip the step and back the scale off (every rank alike)
@@ -20,11 +22,16 @@ wrap it a second time. It works in ``model.fit`` and in a custom loop::
     grads = tape.gradient(scaled, model.trainable_variables)
     opt.apply(grads, model.trainable_variables)  # allreduce, check, unscale, apply
 
-On the Horovod engine, multi-process averaging needs the TensorFlow backend
-(Horovod's collectives are TensorFlow ops) and ``jit_compile=False`` (this Horovod
-build has no XLA kernels). On the JAX engine Keras averages the gradients inside
-the compiled step, which needs ``jit_compile=True``; :func:`kmp.xla.step_jit_compile`
-gives the right value for either. On PyTorch a single process gets the loss scaling.
+The settings are one :class:`kmp.OptimizerSettings` (:mod:`kmp.optimizer_settings`,
+which holds their defaults); the keyword arguments are its fields.
+
+Who averages depends on the engine (:mod:`kmp.distributed`). Horovod ranks: this
+optimizer allreduces, which needs the TensorFlow backend (Horovod's collectives are
+TensorFlow ops) and ``jit_compile=False`` (this Horovod build has no XLA kernels). The
+JAX engine: Keras's data-parallel distribution averages the gradients inside the
+compiled step (``jit_compile=True``), and this optimizer checks, unscales and applies
+them (``stateless_apply``). :func:`kmp.xla.step_jit_compile` gives the right
+``jit_compile`` for either. On PyTorch a single process gets the loss scaling.
 """
 
 from __future__ import annotations
@@ -39,31 +46,30 @@ from kmp import loss_scale as _ls
 from kmp import master_weights as _mw
 from kmp._legacy_keras import is_tf_keras_object
 from kmp._names import LOSS_SCALE_MODES, normalize_compression
-from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
-from kmp.distributed.sparse import DEFAULT_SPARSE_GRADIENTS, check_sparse_gradients
 from kmp.learning_rate import ScaledLearningRate, scaled_learning_rate
+from kmp.optimizer_settings import DEFAULTS, OptimizerSettings
 from kmp.scaling_optimizer import DistributedLossScaleOptimizer
 
 __all__ = [
+    "DEFAULTS",
     "LOSS_SCALE_MODES",
     "DistributedLossScaleOptimizer",
+    "OptimizerSettings",
     "ScaledLearningRate",
     "wrap_optimizer",
 ]
 
 NOT_GIVEN = _checks.NOT_GIVEN
-# What each argument of wrap_optimizer means when it is not given.
-DEFAULTS: dict[str, Any] = {
-    "loss_scale": "dynamic",
-    **_ls.DEFAULTS,
-    "compression": None,
-    "backward_passes_per_step": 1,
-    "scale_lr": False,
-    "bucket_bytes": DEFAULT_BUCKET_BYTES,
-    "sparse_gradients": DEFAULT_SPARSE_GRADIENTS,
-    "master_weights": _mw.DEFAULT_MASTER_WEIGHTS,
-    "rounding_seed": _mw.DEFAULT_ROUNDING_SEED,
-}
+# The settings DistributedLossScaleOptimizer takes as they are (the knobs are in the rule).
+_CONSTRUCTOR_FIELDS = (
+    "compression",
+    "backward_passes_per_step",
+    "scale_lr",
+    "bucket_bytes",
+    "sparse_gradients",
+    "master_weights",
+    "rounding_seed",
+)
 
 
 def _is_horovod_optimizer(optimizer: Any) -> bool:
@@ -98,29 +104,15 @@ def _check_optimizer(optimizer: Any) -> None:
         )
 
 
-def _requested(given: dict[str, Any]) -> tuple[_ls.LossScale, dict[str, Any]]:
-    """Validate what the caller passed; return the rule and the full settings."""
-    settings = {**DEFAULTS, **given}
-    settings["loss_scale"] = _ls.normalize_setting(settings["loss_scale"])
-    settings["compression"] = normalize_compression(settings["compression"])
-    settings["backward_passes_per_step"] = _checks.check_int(
-        "backward_passes_per_step", settings["backward_passes_per_step"], minimum=1
-    )
-    settings["scale_lr"] = _checks.check_bool("scale_lr", settings["scale_lr"])
-    settings["bucket_bytes"] = check_bucket_bytes(settings["bucket_bytes"])
-    settings["sparse_gradients"] = check_sparse_gradients(settings["sparse_gradients"])
-    settings["master_weights"] = _mw.check_master_weights(settings["master_weights"])
-    settings["rounding_seed"] = _checks.check_int(
-        "rounding_seed", settings["rounding_seed"], minimum=0
-    )
+def _requested(chosen: OptimizerSettings) -> tuple[_ls.LossScale, dict[str, Any]]:
+    """The rule and every setting (defaults filled in) for the Keras 3 path, checked."""
+    settings = chosen.resolved()
+    settings["compression"] = normalize_compression(settings["compression"])  # names only
     # The global policy's weights must allow the mode (its layers' weights are checked at build).
     _mw.update_mode(settings["master_weights"], keras.config.dtype_policy().variable_dtype)
-    knobs = {k: given.get(k, NOT_GIVEN) for k in _ls.KNOBS}  # defaults: the rule's own
-    rule = _ls.from_setting(
-        settings["loss_scale"],
-        compute_dtype=keras.config.dtype_policy().compute_dtype,
-        **knobs,
-    )
+    rule = chosen.loss_scale_rule(keras.config.dtype_policy().compute_dtype)
+    if isinstance(settings["loss_scale"], _ls.LossScale):
+        settings["loss_scale"] = rule.setting  # what the config saves
     settings.update(rule.knobs())
     return rule, settings
 
@@ -129,17 +121,24 @@ def _rewrap_clashes(optimizer: DistributedLossScaleOptimizer, given: dict[str, A
     """The explicitly given settings that differ from those ``optimizer`` was made with.
 
     What is not given is taken from ``optimizer`` itself, so only the given
-    values are judged (and checked).
+    values are judged (and checked). A ``LossScale`` is compared with its rule whole.
     """
+    rule = given.get("loss_scale")
+    if isinstance(rule, _ls.LossScale):
+        have_rule = optimizer.loss_scale_rule
+        rest = {k: v for k, v in given.items() if k != "loss_scale" and k not in _ls.KNOBS}
+        clash = [] if rule == have_rule else [f"loss_scale={rule!r} (it has {have_rule!r})"]
+        return clash + _rewrap_clashes(optimizer, rest)
     have = optimizer.settings()
-    _, wanted = _requested({**have, **given})
+    _, wanted = _requested(OptimizerSettings(**{**have, **given}))
     return [f"{k}={wanted[k]!r} (it has {have[k]!r})" for k in given if wanted[k] != have[k]]
 
 
 def wrap_optimizer(
     optimizer: keras.optimizers.Optimizer,
     *,
-    loss_scale: str | float | None = NOT_GIVEN,
+    settings: OptimizerSettings | None = None,
+    loss_scale: str | float | _ls.LossScale | None = NOT_GIVEN,
     initial_scale: float = NOT_GIVEN,
     growth_interval: int = NOT_GIVEN,
     growth_factor: float = NOT_GIVEN,
@@ -158,7 +157,11 @@ def wrap_optimizer(
     """Return one Keras optimizer that scales the loss and averages gradients over ranks.
 
     The loss-scale mode is decided here, from the global dtype policy in force
-    now: call :func:`kmp.enable` first. The rule is :mod:`kmp.loss_scale`'s.
+    now: call :func:`kmp.enable` first. The rule is :mod:`kmp.loss_scale`'s. The
+    settings are a :class:`kmp.OptimizerSettings` (``settings=``), the keyword
+    arguments below, or both: they combine, and a field given both ways must agree
+    (:meth:`OptimizerSettings.combine`). A field given neither way takes its default,
+    :data:`kmp.optimizer_settings.DEFAULTS`.
 
     Args:
         optimizer: A Keras 3 optimizer instance, e.g. ``keras.optimizers.Adam(1e-3)``.
@@ -167,11 +170,13 @@ def wrap_optimizer(
             by this function is returned as it is, and giving it a setting that
             differs is an error. (``kmp.wrap_optimizer`` hands a ``tf_keras``
             optimizer to :func:`kmp.compat.keras2.wrap_optimizer`.)
+        settings: An :class:`kmp.OptimizerSettings` holding any of the fields below.
         loss_scale: ``"dynamic"`` (default): dynamic loss scaling when the global
             dtype policy computes in float16, none for bfloat16 and float32.
             ``"force_dynamic"``: dynamic scaling under any policy. A positive
             number: a static scale (non-finite steps are still skipped). None:
-            no loss scaling.
+            no loss scaling. A :class:`kmp.loss_scale.LossScale`: that rule, as it
+            is (knobs given too must agree with it).
         initial_scale: Starting dynamic scale (default ``2**15``), within
             ``[min_scale, max_scale]``.
         growth_interval: Finite steps in a row after which a dynamic scale grows
@@ -226,34 +231,16 @@ def wrap_optimizer(
         A :class:`DistributedLossScaleOptimizer` (a Keras ``LossScaleOptimizer``).
 
     Raises:
-        TypeError: ``optimizer`` is not a Keras 3 optimizer instance, or an
-            argument has the wrong type.
-        ValueError: An argument is out of range or unknown, the optimizer is
+        TypeError: ``optimizer`` is not a Keras 3 optimizer instance, ``settings`` is
+            not an ``OptimizerSettings``, or an argument has the wrong type.
+        ValueError: An argument is out of range or unknown, a field is given in
+            ``settings`` and as a keyword with different values, the optimizer is
             Horovod's own ``DistributedOptimizer``, or it is already wrapped with
             different settings.
         RuntimeError: More than one rank is running on a backend other than TensorFlow.
     """
-    given = {
-        k: v
-        for k, v in {
-            "loss_scale": loss_scale,
-            "initial_scale": initial_scale,
-            "growth_interval": growth_interval,
-            "growth_factor": growth_factor,
-            "backoff_factor": backoff_factor,
-            "min_scale": min_scale,
-            "max_scale": max_scale,
-            "hysteresis": hysteresis,
-            "compression": compression,
-            "backward_passes_per_step": backward_passes_per_step,
-            "scale_lr": scale_lr,
-            "bucket_bytes": bucket_bytes,
-            "sparse_gradients": sparse_gradients,
-            "master_weights": master_weights,
-            "rounding_seed": rounding_seed,
-        }.items()
-        if _checks.given(v)
-    }
+    chosen = OptimizerSettings.combine(settings, locals())  # the fields among the arguments
+    given = chosen.given()
     _check_optimizer(optimizer)
     if isinstance(optimizer, DistributedLossScaleOptimizer):
         clashes = _rewrap_clashes(optimizer, given)
@@ -270,14 +257,13 @@ def wrap_optimizer(
         # scale has no bounds, so it is brought into kmp's [min_scale, max_scale].
         low = given.get("min_scale", DEFAULTS["min_scale"])
         high = given.get("max_scale", DEFAULTS["max_scale"])
-        current = _current_keras_scale(optimizer)
-        if _checks.is_real(low) and _checks.is_real(high):
-            current = min(max(current, low), high)
-        if not _checks.is_real(given.get("loss_scale")):  # a static scale needs no start
-            given.setdefault("initial_scale", current)
-        given.setdefault("growth_interval", int(optimizer.dynamic_growth_steps))
-        return wrap_optimizer(optimizer.inner_optimizer, **given)
-    rule, settings = _requested(given)
+        current = min(max(_current_keras_scale(optimizer), low), high)
+        if not isinstance(given.get("loss_scale"), _ls.LossScale):  # a rule holds its knobs
+            if not _checks.is_real(given.get("loss_scale")):  # a static scale needs no start
+                given.setdefault("initial_scale", current)
+            given.setdefault("growth_interval", int(optimizer.dynamic_growth_steps))
+        return wrap_optimizer(optimizer.inner_optimizer, settings=OptimizerSettings(**given))
+    rule, full = _requested(chosen)
     if getattr(optimizer, "loss_scale_factor", None) is not None:
         raise ValueError(
             f"The optimizer has loss_scale_factor={optimizer.loss_scale_factor}; kmp scales "
@@ -287,7 +273,7 @@ def wrap_optimizer(
 
     world_size = distributed.size()
     distributed.check_averaging_runtime(world_size)
-    lr_scale = float(world_size) if settings["scale_lr"] else 1.0
+    lr_scale = float(world_size) if full["scale_lr"] else 1.0
     if lr_scale != 1.0:
         optimizer.learning_rate = scaled_learning_rate(
             optimizer._learning_rate,
@@ -298,15 +284,9 @@ def wrap_optimizer(
     return DistributedLossScaleOptimizer(
         optimizer,
         rule,
-        loss_scale=settings["loss_scale"],
-        compression=settings["compression"],
-        backward_passes_per_step=settings["backward_passes_per_step"],
-        scale_lr=settings["scale_lr"],
+        loss_scale=full["loss_scale"],
         lr_scale=lr_scale,
-        bucket_bytes=settings["bucket_bytes"],
-        sparse_gradients=settings["sparse_gradients"],
-        master_weights=settings["master_weights"],
-        rounding_seed=settings["rounding_seed"],
+        **{k: full[k] for k in _CONSTRUCTOR_FIELDS},
     )
 
 

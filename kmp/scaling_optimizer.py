@@ -11,7 +11,9 @@ One training step with it, on every rank::
 Gradients are averaged before they are checked, so an overflow on any rank makes
 every rank skip the same step and move its scale alike. The rule lives in
 :mod:`kmp.loss_scale`; this class keeps its state in four optimizer variables
-and runs it stateful (:meth:`apply`) and stateless (JAX: :meth:`stateless_apply`).
+(``loss_scale_variable``, ``good_steps_counter``, ``overflow_streak_counter``,
+``skipped_steps_counter``) and runs it stateful (:meth:`apply`) and stateless (JAX:
+:meth:`stateless_apply`). The accumulation of micro-batches is :mod:`kmp.accumulation`'s.
 """
 
 from __future__ import annotations
@@ -24,21 +26,44 @@ from keras import ops
 from kmp import distributed
 from kmp import loss_scale as _ls
 from kmp import master_weights as _mw
+from kmp._deprecation import DeprecatedAlias, warn_renamed
 from kmp._names import normalize_compression
+from kmp.accumulation import GradientAccumulation
 from kmp.compensated import CompensatedUpdates
 from kmp.distributed import sparse
-from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from kmp.distributed.buckets import check_bucket_bytes
 from kmp.learning_rate import rescale_learning_rate
+from kmp.optimizer_settings import DEFAULTS
 
 __all__ = ["DistributedLossScaleOptimizer"]
 
 
-def _zero_unless(finite: Any) -> Any:
-    return lambda x: ops.where(finite, x, ops.zeros_like(x))
+def _rule_from_arguments(rule: Any, loss_scale: Any, knobs: dict[str, Any]) -> tuple[Any, Any]:
+    """``(rule, setting)`` from the constructor's arguments, old spellings included."""
+    if "rule" in knobs:  # the keyword's name before it said what it holds
+        warn_renamed("DistributedLossScaleOptimizer(rule=...)", "loss_scale_rule=", stacklevel=4)
+        rule = knobs.pop("rule")
+    if isinstance(rule, _ls.LossScale):
+        if knobs:
+            raise TypeError(
+                f"Pass the loss-scale knobs ({', '.join(knobs)}) either in the LossScale or as "
+                "keyword arguments without one, not both."
+            )
+        return rule, loss_scale
+    if rule is not None:  # the old positional `loss_scale` setting
+        warn_renamed(
+            "A loss_scale setting as DistributedLossScaleOptimizer's second argument",
+            "loss_scale=... (the setting) or a kmp.loss_scale.LossScale",
+            stacklevel=4,
+        )
+        loss_scale = rule
+    loss_scale = _ls.normalize_setting(loss_scale)
+    compute = keras.config.dtype_policy().compute_dtype
+    return _ls.from_setting(loss_scale, compute_dtype=compute, **knobs), loss_scale
 
 
 @keras.saving.register_keras_serializable(package="kmp")
-class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossScaleOptimizer):
     """Loss scaling plus bucketed Horovod allreduces per step, around an inner optimizer.
 
     Build it with :func:`kmp.wrap_optimizer`, which validates the arguments and
@@ -49,8 +74,9 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     Args:
         inner_optimizer: The Keras optimizer that updates the weights.
-        rule: The :class:`kmp.loss_scale.LossScale`, or (as before the rule existed) a
-            setting; None resolves ``loss_scale``.
+        loss_scale_rule: The :class:`kmp.loss_scale.LossScale`; None resolves
+            ``loss_scale``. (It was called ``rule``, and a setting was accepted in its
+            place: both still work, with a ``DeprecationWarning``.)
         loss_scale: The setting the user passed (``"dynamic"``, ``"force_dynamic"``,
             a number or None), kept for :meth:`settings`.
         compression: None, ``"fp16"`` or ``"bf16"``.
@@ -69,32 +95,21 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def __init__(
         self,
         inner_optimizer: keras.optimizers.Optimizer,
-        rule: _ls.LossScale | None = None,
+        loss_scale_rule: _ls.LossScale | None = None,
         *,
-        loss_scale: str | float | None = "dynamic",
-        compression: str | None = None,
-        backward_passes_per_step: int = 1,
-        scale_lr: bool = False,
+        loss_scale: str | float | None = DEFAULTS["loss_scale"],
+        compression: str | None = DEFAULTS["compression"],
+        backward_passes_per_step: int = DEFAULTS["backward_passes_per_step"],
+        scale_lr: bool = DEFAULTS["scale_lr"],
         lr_scale: float = 1.0,
-        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-        sparse_gradients: str = sparse.DEFAULT_SPARSE_GRADIENTS,
-        master_weights: str = _mw.DEFAULT_MASTER_WEIGHTS,
-        rounding_seed: int = _mw.DEFAULT_ROUNDING_SEED,
+        bucket_bytes: int | None = DEFAULTS["bucket_bytes"],
+        sparse_gradients: str = DEFAULTS["sparse_gradients"],
+        master_weights: str = DEFAULTS["master_weights"],
+        rounding_seed: int = DEFAULTS["rounding_seed"],
         name: str | None = None,
         **knobs: Any,
     ):
-        if not isinstance(rule, _ls.LossScale):
-            if rule is not None:  # the old positional `loss_scale`
-                loss_scale = rule
-            loss_scale = _ls.normalize_setting(loss_scale)
-            rule = _ls.from_setting(
-                loss_scale, compute_dtype=keras.config.dtype_policy().compute_dtype, **knobs
-            )
-        elif knobs:
-            raise TypeError(
-                f"Pass the loss-scale knobs ({', '.join(knobs)}) either in the LossScale or as "
-                "keyword arguments without one, not both."
-            )
+        rule, loss_scale = _rule_from_arguments(loss_scale_rule, loss_scale, knobs)
         super().__init__(
             inner_optimizer,
             initial_scale=rule.initial_scale,
@@ -115,10 +130,10 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._payload_bytes = 0
         self._own_index: dict[int, int] = {}
 
-    @property
-    def loss_scale_arg(self) -> Any:
-        """The ``loss_scale`` setting (the name this attribute had before the rule existed)."""
-        return self.loss_scale_setting
+    # Names these had when they said something else; they warn, then read the new ones.
+    loss_scale_arg = DeprecatedAlias("loss_scale_setting", "the loss_scale setting")
+    step_counter = DeprecatedAlias("good_steps_counter", "finite steps since the scale moved")
+    dynamic_scale = DeprecatedAlias("loss_scale_variable", "the loss scale, static or dynamic")
 
     @property
     def loss_scale_mode(self) -> str:
@@ -130,7 +145,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """The current loss scale (1.0 when not scaling)."""
         if not self.built:
             return self.loss_scale_rule.start_scale
-        return float(self._read(self.dynamic_scale))
+        return float(self._read(self.loss_scale_variable))
 
     @property
     def skipped_steps(self) -> int:
@@ -202,17 +217,11 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 shape=(), dtype=dtype, initializer=init, aggregation="none", name=name
             )
 
-        self.step_counter = scalar("step_counter", "int", 0)  # the rule's good_steps
-        self.dynamic_scale = scalar("dynamic_scale", "float32", start.scale)
+        self.good_steps_counter = scalar("good_steps", "int", 0)
+        self.loss_scale_variable = scalar("loss_scale", "float32", start.scale)
         self.skipped_steps_counter = scalar("skipped_steps", "int", 0)
         self.overflow_streak_counter = scalar("overflow_streak", "int", 0)
-        self._accumulators: list = []
-        if self.backward_passes_per_step > 1:
-            self._micro_step = scalar("micro_step", "int", 0)
-            self._window_bad = scalar("window_bad", "int", 0)
-            self._accumulators = [
-                self.add_variable_from_reference(v, name="grad_accumulator") for v in var_list
-            ]
+        self._build_accumulation(scalar, var_list)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         # Kahan buffers are the inner optimizer's variables: saved and mapped with its state.
@@ -226,8 +235,8 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _state_variables(self) -> tuple[keras.Variable, ...]:
         """The rule's state, in :class:`kmp.loss_scale.ScaleState` order."""
         return (
-            self.dynamic_scale,
-            self.step_counter,
+            self.loss_scale_variable,
+            self.good_steps_counter,
             self.overflow_streak_counter,
             self.skipped_steps_counter,
         )
@@ -252,7 +261,7 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not rule.scaling:
             return loss
         if rule.dynamic and self.built:
-            return ops.multiply(loss, self.dynamic_scale)
+            return ops.multiply(loss, self.loss_scale_variable)
         return ops.multiply(loss, rule.initial_scale)
 
     def _unscale(self, grads: list, variables: list, scale: Any) -> list:
@@ -338,41 +347,6 @@ class DistributedLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         new = _ls.update(self.loss_scale_rule, state, finite)
         for var, value in zip(self._state_variables(), new, strict=True):
             var.assign(value)
-
-    def _accumulate(self, grads: list, variables: list) -> None:
-        """Add one micro-batch; on the last one, average, allreduce once and update."""
-        n = self.backward_passes_per_step
-        accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
-        finite_here = self.check_finite(grads)
-        # A non-finite micro-batch adds nothing and marks the window as bad. A sparse
-        # gradient is scatter-added, so the window is dense (and allreduced dense).
-        safe = [
-            None if g is None else sparse.map_values(g, _zero_unless(finite_here)) for g in grads
-        ]
-        bad_here = ops.cast(ops.logical_not(finite_here), self._window_bad.dtype)
-
-        def last() -> None:
-            total = [
-                None if s is None else ops.divide(ops.add(a, s), float(n))
-                for a, s in zip(accs, sparse.densify_like(safe, accs), strict=True)
-            ]
-            bad = ops.maximum(ops.convert_to_tensor(self._window_bad), bad_here)
-            reduced = self._allreduce([*total, ops.cast(bad, "float32")], [*accs, self._window_bad])
-            poisoned = ops.greater(reduced[-1], 0.0)
-            for a in self._accumulators:
-                a.assign(ops.zeros(a.shape, a.dtype))
-            self._window_bad.assign(0)
-            self._micro_step.assign(0)
-            self._update(reduced[:-1], variables, poisoned=poisoned)
-
-        def not_last() -> None:
-            for a, s in zip(accs, safe, strict=True):
-                if s is not None:
-                    self.assign_add(a, s)  # a tf.IndexedSlices is scatter-added
-            self._window_bad.assign(ops.maximum(self._window_bad, bad_here))
-            self._micro_step.assign_add(1)
-
-        ops.cond(ops.equal(self._micro_step, n - 1), last, not_last)
 
     def stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list):
         """Functional :meth:`apply` for JAX: returns new variable values.

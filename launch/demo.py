@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing kmp
 
-from kmp.commands.launch import build_command  # noqa: E402 - after the path set-up
+from kmp.launching.plan import build_command  # noqa: E402 - after the path set-up
 
 TRAIN = ROOT / "launch" / "train.py"
 RANK0_PREFIXES = ("[0]<stdout>:", "[1,0]<stdout>:")  # Gloo and Open MPI tags of rank 0

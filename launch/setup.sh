@@ -10,7 +10,7 @@
 #      `kmp cluster`), openmpi-bin and libopenmpi-dev (Horovod's MPI controller).
 #      KMP_SYSTEM_PACKAGES=0 skips this step; without root it is skipped with a note.
 #   1. .venv/ with Python 3.11 (python3.11, else python3 if it is 3.11).
-#   2. The install plan (kmp/commands/install_plan.py, standard library only): NVIDIA GPUs
+#   2. The install plan (kmp/install/plan.py, standard library only): NVIDIA GPUs
 #      (nvidia-smi) or KMP_DEVICE=cuda mean tensorflow[and-cuda]==2.21.0 and Horovod with
 #      NCCL; otherwise tensorflow-cpu==2.21.0. `kmp install-horovod --dry-run` prints it.
 #   3. The plan's TensorFlow and the pinned packages of requirements.txt, then kmp itself
@@ -51,7 +51,7 @@ find_python() {
 want_stamp() {
   # Everything that decides what is installed: the files and the plan.
   cat "$ROOT/requirements.txt" "$ROOT/requirements-hub.txt" "$ROOT/pyproject.toml" \
-    "${BASH_SOURCE[0]}" "$ROOT/kmp/commands/install_plan.py" | sha256sum | cut -c1-16
+    "${BASH_SOURCE[0]}" "$ROOT/kmp/install/plan.py" | sha256sum | cut -c1-16
   echo "hub=${KMP_HUB:-1}"
   echo "$PLAN"
 }

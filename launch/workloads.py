@@ -214,9 +214,14 @@ def lm_metrics(model, name: str, dataset, kmp) -> dict:
     import keras
     import numpy as np
 
+    # Compiled (predict_on_batch: about 3x faster than calling the model op by op), except
+    # under a Keras distribution (the JAX engine), where predicting is collective and each
+    # rank's shard may hold another number of batches.
+    compiled = keras.distribution.distribution() is None
     total = count = 0.0
     for tokens, targets in model_inputs(name, dataset):
-        logits = keras.ops.cast(model(tokens, training=False), "float32")
+        out = model.predict_on_batch(tokens) if compiled else model(tokens, training=False)
+        logits = keras.ops.cast(out, "float32")
         nll = keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)
         total += float(np.sum(np.asarray(nll, np.float64)))
         count += float(np.prod(targets.shape))

@@ -220,6 +220,29 @@ def test_models_input_shapes_and_the_image_size_variable(monkeypatch):
         models.input_shape("cnn")
 
 
+def test_bench_modules_import_each_other_without_a_cycle():
+    import ast
+
+    names = {p.stem for p in BENCH.glob("*.py")}
+    graph = {}
+    for path in BENCH.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        found = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        found |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        graph[path.stem] = found & names - {path.stem}
+    assert "targets" in graph["plot"] and "suite" not in graph["plot"]  # plot reads figures only
+
+    def reach(start, node, seen):
+        for nxt in graph[node]:
+            assert nxt != start, f"bench import cycle through {start} and {node}"
+            if nxt not in seen:
+                seen.add(nxt)
+                reach(start, nxt, seen)
+
+    for name in graph:
+        reach(name, name, set())
+
+
 # ------------------------------------------------------------------ targets
 
 MACHINE = {"cpu": "test CPU", "cores": 2, "avx512_bf16": False, "amx": False}
@@ -268,18 +291,18 @@ def _results(auto_policy="float32", bf16=0.3, eff=0.93, ratio=0.991, mem=0.53):
 
 
 def test_judge_meets_targets_from_good_figures():
-    suite = _load("suite")
-    targets = suite.judge(_results(auto_policy="mixed_bfloat16", bf16=2.0))
-    results = {t.name: t.result for t in targets}
+    bench_targets = _load("targets")
+    judged = bench_targets.judge(_results(auto_policy="mixed_bfloat16", bf16=2.0))
+    results = {t.name: t.result for t in judged}
     assert list(results.values()).count("met") == 7, results
-    gpu = next(t for t in targets if "GPU" in t.name)
+    gpu = next(t for t in judged if "GPU" in t.name)
     assert gpu.result == "not run" and "gpu_resnet50.py" in gpu.why
 
 
 def test_judge_explains_each_miss():
-    suite = _load("suite")
-    targets = suite.judge(_results(eff=0.78, ratio=0.95, mem=0.7))
-    by = {t.name: t for t in targets}
+    bench_targets = _load("targets")
+    judged = bench_targets.judge(_results(eff=0.78, ratio=0.95, mem=0.7))
+    by = {t.name: t for t in judged}
     auto = by["auto policy vs float32, CNN training throughput"]
     assert auto.result == "missed" and "AVX512_BF16" in auto.why and "0.30x" in auto.why
     overhead = by["kmp.wrap_optimizer overhead vs Keras LossScaleOptimizer"]
@@ -294,10 +317,10 @@ def test_judge_explains_each_miss():
 
 
 def test_auto_target_names_the_model_when_the_cnn_was_not_run():
-    suite = _load("suite")
+    bench_targets = _load("targets")
     res = _results()
     res["policies"]["models"] = {"resnet50": res["policies"]["models"]["cnn"]}
-    speed, near = suite.target_auto(res)
+    speed, near = bench_targets.target_auto(res)
     assert speed.name == "auto policy vs float32, resnet50 training throughput"
     assert speed.result == "missed" and math.isclose(speed.value, 0.99)
     assert near.name.endswith("resnet50") and near.result == "met"
@@ -318,37 +341,37 @@ def test_bench_digits_cnn_is_the_reference_scripts_model():
 
 
 def test_scaling_miss_quotes_the_measured_causes():
-    suite = _load("suite")
+    bench_targets = _load("targets")
     res = _results(eff=0.6)
     res["allreduce"]["weak_scaling"] = {
         "cnn/float32": {"single_images_per_s": 100.0, "independent_pair_images_per_s": 150.0}
     }
     res["allreduce"]["horovod_idle_cpu_fraction"] = {"default": 0.14, "cycle_5ms": 0.05}
-    (t,) = suite.target_scaling(res)
+    (t,) = bench_targets.target_scaling(res)
     assert t.result == "missed"
     assert "reached only 0.75 of twice one process" in t.why
     assert "14% (default), 5% (cycle_5ms) of a core" in t.why
 
 
 def test_judge_marks_parts_that_did_not_run():
-    suite = _load("suite")
-    targets = suite.judge({})
-    assert {t.result for t in targets} == {"not run"}
+    bench_targets = _load("targets")
+    judged = bench_targets.judge({})
+    assert {t.result for t in judged} == {"not run"}
 
 
 def test_compression_target_catches_a_wrong_byte_count():
-    suite = _load("suite")
+    bench_targets = _load("targets")
     res = _results()
     res["allreduce"]["allreduce_ms"] = {"cnn": {"bytes/None": 1000, "bytes/fp16": 600}}
-    (t,) = suite.target_compression(res)
+    (t,) = bench_targets.target_compression(res)
     assert t.result == "missed" and math.isclose(t.value, 0.6)
 
 
 def test_plot_writes_a_png_with_or_without_results(tmp_path):
-    suite, plot = _load("suite"), _load("plot")
+    bench_targets, plot = _load("targets"), _load("plot")
     res = _results()
     res["memory"]["policies"]["float32"] = {"activation_vs_float32": 1.0}
-    full = plot.plot_summary(res, suite.judge(res), tmp_path / "full.png")
+    full = plot.plot_summary(res, bench_targets.judge(res), tmp_path / "full.png")
     empty = plot.plot_summary({}, [], tmp_path / "empty.png")
     for path in (full, empty):
         assert path.read_bytes()[:8] == PNG_MAGIC

@@ -119,7 +119,13 @@ def test_stateful_tensorflow_path_matches_reference(kind, knobs):
         step(tf.constant(g))
         applied = -float(np.asarray(w)[0])  # each applied step moves w by -1 (lr 1, grad 1)
         rows.append(
-            (opt.loss_scale, opt.skipped_steps, int(opt.step_counter), opt.overflow_streak, applied)
+            (
+                opt.loss_scale,
+                opt.skipped_steps,
+                int(opt.good_steps_counter),
+                opt.overflow_streak,
+                applied,
+            )
         )
     assert as_rows(rows) == reference(kind, knobs, SEQUENCE)
 
@@ -137,8 +143,8 @@ for kind, knobs in settings:
     w = keras.Variable(np.zeros(2, "float32"))
     opt.build([w])
     index = {id(v): i for i, v in enumerate(opt.variables)}
-    slots = [index[id(v)] for v in (opt.dynamic_scale, opt.skipped_steps_counter,
-                                    opt.step_counter, opt.overflow_streak_counter)]
+    slots = [index[id(v)] for v in (opt.loss_scale_variable, opt.skipped_steps_counter,
+                                    opt.good_steps_counter, opt.overflow_streak_counter)]
     ov, tv = [v.value for v in opt.variables], [w.value]
     step = jax.jit(lambda ov, tv, g: opt.stateless_apply(ov, [g], tv))
     rows = []

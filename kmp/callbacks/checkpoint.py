@@ -6,7 +6,6 @@ import math
 import os
 import re
 import string
-import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -15,6 +14,7 @@ import keras
 
 from kmp import distributed
 from kmp._checks import check_bool, check_choice, check_int
+from kmp._files import atomic_write
 from kmp.callbacks._ranks import _is_chief, _to_float
 
 __all__ = [
@@ -29,7 +29,7 @@ __all__ = [
 # File names used when AtomicCheckpoint is given a directory.
 DEFAULT_CHECKPOINT_NAME = "ckpt-{epoch:04d}.keras"
 DEFAULT_WEIGHTS_NAME = "ckpt-{epoch:04d}.weights.h5"
-# Temporary files start with this; latest_checkpoint never returns one.
+# Temporary files start with this (atomic_write's default); latest_checkpoint skips them.
 _TMP_PREFIX = ".tmp-"
 
 
@@ -121,24 +121,13 @@ def latest_checkpoint(directory: str | os.PathLike, template: str | None = None)
     return Checkpoint(path, epoch)
 
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_save(path: str | os.PathLike, save: Callable[[str], Any]) -> str:
     """Write a file atomically: ``save(tmp)`` in the same directory, then ``os.replace``.
 
     Readers see the old file or the complete new one, never a partial one; if
-    ``save`` fails, the temporary file is removed and the error re-raised.
+    ``save`` fails, the temporary file is removed and the error re-raised. The
+    file and its directory are ``fsync``-ed (:func:`kmp._files.atomic_write`,
+    kmp's one atomic write).
 
     Args:
         path: The final file. Its name ends the temporary name too, so
@@ -148,21 +137,7 @@ def atomic_save(path: str | os.PathLike, save: Callable[[str], Any]) -> str:
     Returns:
         ``path`` as a string.
     """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f"{_TMP_PREFIX}{uuid.uuid4().hex[:12]}-{os.path.basename(path)}")
-    try:
-        save(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_dir(directory)
-    return path
+    return atomic_write(path, save, temp_prefix=_TMP_PREFIX)
 
 
 class AtomicCheckpoint(keras.callbacks.Callback):

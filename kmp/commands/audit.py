@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kmp.commands import command_main
+
 __all__ = ["configure", "main", "run"]
 
 
@@ -58,10 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kmp.commands.audit``."""
-    parser = argparse.ArgumentParser(prog="kmp audit", description=__doc__.splitlines()[0])
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """Parse ``argv`` as ``kmp audit`` arguments and run (``python -m kmp.commands.audit``)."""
+    return command_main(__name__, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

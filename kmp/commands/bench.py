@@ -48,6 +48,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
+from kmp.commands import command_main
+
 __all__ = ["ALIASES", "MODELS", "PARTS", "configure", "find_bench_dir", "main", "run"]
 
 PARTS = ("policies", "overhead", "allreduce", "memory", "peers", "numerics")
@@ -190,10 +192,8 @@ def _load_suite(bench_dir: Path) -> ModuleType:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` and run ``kmp bench``."""
-    parser = argparse.ArgumentParser(prog="kmp bench", description=__doc__.splitlines()[0])
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """Parse ``argv`` as ``kmp bench`` arguments and run (``python -m kmp.commands.bench``)."""
+    return command_main(__name__, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

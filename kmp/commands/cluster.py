@@ -27,8 +27,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kmp.commands import cluster_ops as ops
-from kmp.commands import cluster_plan as cp
+from kmp.cluster import ops
+from kmp.cluster import plan as cp
+from kmp.commands import command_main
 
 __all__ = ["configure", "main", "run"]
 
@@ -127,10 +128,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` as ``kmp cluster`` arguments and run."""
-    parser = argparse.ArgumentParser(prog="kmp cluster", description=__doc__.splitlines()[0])
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """Parse ``argv`` as ``kmp cluster`` arguments and run (``python -m kmp.commands.cluster``)."""
+    return command_main(__name__, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

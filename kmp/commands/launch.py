@@ -1,4 +1,4 @@
-"""``kmp launch``: run a training script on N processes under ``horovodrun``.
+"""``kmp launch``: run a training script on N processes (``horovodrun``, or kmp's own launcher).
 
 ::
 
@@ -11,318 +11,32 @@
     kmp launch -H h1:1,h2:1 --network-interface eth0 --ssh-identity-file KEY train.py
 
 Before a job with other hosts (or a named interface) starts, every host is
-checked in parallel (:mod:`kmp.commands.preflight`): one that ssh cannot reach,
+checked in parallel (:mod:`kmp.launching.preflight`): one that ssh cannot reach,
 or an interface missing on a host, is an error naming it, within seconds,
 instead of a Gloo abort or a hang (``--no-preflight`` skips this).
 
-The command is built as an argument list (never a shell string) by the pure
-functions here (:func:`parse_hosts`, :func:`parse_hostfile`,
-:func:`build_command`) and only :func:`execute` starts a process.
-
-Settings reach every rank through the environment: ``--policy P`` sets
-``KMP_POLICY=P`` and every ``KMP_*`` variable of the calling shell is passed
-on. ``horovodrun`` forwards its whole environment to the ranks: with Gloo it
-prefixes each rank's command with the variables (also over ssh to other
-hosts), with Open MPI it adds ``-x VAR`` for each one, and MPICH / Intel MPI
-pass the environment on by default.
-
-Host lists (``-H``, ``--hostfile``) are parsed by :mod:`kmp.commands.hosts`.
+This module is the command line only. The machinery lives in
+:mod:`kmp.launching`: host lists in :mod:`kmp.launching.hosts`
+(:func:`~kmp.launching.hosts.parse_hosts`, :func:`~kmp.launching.hosts.read_hostfile`),
+the command in :mod:`kmp.launching.plan` (:func:`~kmp.launching.plan.build_command`,
+pure, and :func:`~kmp.launching.plan.execute`, the only one that starts a process),
+``--elastic`` in :mod:`kmp.launching.elastic` and ``--engine`` in
+:mod:`kmp.launching.engines`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
-import shlex
-import shutil
 import sys
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-from kmp._launcher_env import LOCAL_RUN_VARS
-from kmp._names import VALID_POLICIES, normalize_policy
-from kmp.commands import preflight
-from kmp.commands._proc import run_forwarding_signals
-from kmp.commands.elastic_launch import (
-    ElasticOptions,
-    check_discovery,
-    configure_elastic,
-    elastic_args,
-    options_from_args,
-)
-from kmp.commands.engine_launch import configure_engine, engine_env, local_argv
-from kmp.commands.hosts import (
-    HOST_RE,
-    Host,
-    LaunchError,
-    parse_hostfile,
-    parse_hosts,
-    read_hostfile,
-)
+from kmp.commands import command_main
+from kmp.launching.elastic import configure_elastic, options_from_args
+from kmp.launching.engines import configure_engine
+from kmp.launching.hosts import LaunchError, parse_hosts, read_hostfile
+from kmp.launching.plan import build_command, execute, format_command
 
-__all__ = [
-    "ENV_PREFIX",
-    "POLICIES",
-    "ElasticOptions",
-    "Host",
-    "LaunchError",
-    "LaunchPlan",
-    "build_command",
-    "configure",
-    "execute",
-    "format_command",
-    "forwarded_env",
-    "main",
-    "parse_hostfile",
-    "parse_hosts",
-    "read_hostfile",
-    "run",
-]
-
-ENV_PREFIX = "KMP_"
-POLICIES = VALID_POLICIES  # kmp._names imports nothing heavy: `kmp launch` stays fast
-# Intel's OpenMP runtime reads variables with the same prefix (scikit-learn and joblib set
-# some on import). They reach the ranks like every variable, but are not kmp settings.
-_OPENMP_VARS = frozenset(
-    {
-        "KMP_AFFINITY",
-        "KMP_BLOCKTIME",
-        "KMP_DUPLICATE_LIB_OK",
-        "KMP_HW_SUBSET",
-        "KMP_INIT_AT_FORK",
-        "KMP_SETTINGS",
-        "KMP_STACKSIZE",
-        "KMP_WARNINGS",
-    }
-)
-# Read by the launch/ shell scripts themselves, not settings for the ranks.
-_LAUNCHER_VARS = frozenset({"KMP_LAUNCH_ARGS", "KMP_NP", *LOCAL_RUN_VARS})
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchPlan:
-    """What :func:`execute` runs.
-
-    Attributes:
-        argv: The command, as an argument list.
-        env: Variables set on top of the caller's environment (the ``KMP_*``
-            settings every rank receives).
-        horovodrun: True when the job goes through ``horovodrun``; False for
-            a single process started directly.
-        checks: What to check on the hosts before starting (see
-            :mod:`kmp.commands.preflight`); empty for a one-machine job.
-        discovery: An elastic job's own host discovery script, run once by
-            :func:`execute` to check what it prints (None: nothing to check).
-        slots_per_host: Slots of a discovered host printed without ``:SLOTS``.
-    """
-
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
-    horovodrun: bool
-    checks: tuple[preflight.Check, ...] = ()
-    discovery: str | None = None
-    slots_per_host: int | None = None
-
-
-# ---------------------------------------------------------------- command
-
-
-def forwarded_env(environ: Mapping[str, str], policy: str | None = None) -> dict[str, str]:
-    """The ``KMP_*`` settings every rank receives: those in ``environ`` plus ``KMP_POLICY``.
-
-    Intel OpenMP's own ``KMP_*`` variables (``KMP_AFFINITY``, ...) and the
-    launch scripts' ``KMP_LAUNCH_ARGS`` / ``KMP_NP`` are left out: they are not
-    kmp settings (the ranks still inherit them like any other variable).
-    """
-    skip = _OPENMP_VARS | _LAUNCHER_VARS
-    env = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX) and k not in skip}
-    if policy is not None:
-        env["KMP_POLICY"] = policy
-    return dict(sorted(env.items()))
-
-
-def _default_horovodrun() -> str:
-    sibling = Path(sys.executable).with_name("horovodrun")
-    if sibling.exists():
-        return str(sibling)
-    return shutil.which("horovodrun") or "horovodrun"
-
-
-def build_command(
-    np: int | None,
-    script: str | os.PathLike,
-    script_args: Sequence[str] = (),
-    *,
-    hosts: Sequence[Host] | None = None,
-    controller: str | None = None,
-    policy: str | None = None,
-    ssh_port: int | None = None,
-    ssh_identity_file: str | os.PathLike | None = None,
-    network_interfaces: str | None = None,
-    python: str | None = None,
-    horovodrun: str | None = None,
-    environ: Mapping[str, str] | None = None,
-    elastic: ElasticOptions | None = None,
-    engine: str = "horovod",
-    coordinator_port: int | None = None,
-) -> LaunchPlan:
-    """Build the command that runs ``script`` on ``np`` processes (pure: starts nothing).
-
-    Args:
-        np: Number of processes, >= 1. With 1 the script runs as a plain
-            ``python script.py`` on this machine, without ``horovodrun``.
-        script: The Python script; it must exist.
-        script_args: Arguments passed to the script unchanged.
-        hosts: Where to run; ``localhost:np`` when None.
-        controller: ``"gloo"`` or ``"mpi"``; None means Gloo (kmp's default, the
-            same whether or not Horovod was also built with MPI).
-        policy: Dtype policy for every rank (sets ``KMP_POLICY``).
-        ssh_port: SSH port of the other hosts.
-        ssh_identity_file: SSH private key for the other hosts; it must exist.
-        network_interfaces: Comma-separated interfaces for ``horovodrun`` (each must
-            exist on every host: checked before the job starts).
-        python: Interpreter for the script; this one (``sys.executable``) when None.
-        horovodrun: Path of ``horovodrun``; the one next to ``python`` or on PATH when None.
-        environ: Environment to take ``KMP_*`` variables from; ``os.environ`` when None.
-        elastic: Run an elastic job (:mod:`kmp.commands.elastic_launch`); its
-            hosts come from host discovery, so ``hosts`` must be None, and
-            ``np`` may be None (see :func:`~kmp.commands.elastic_launch.elastic_args`).
-        engine: ``"horovod"`` or ``"jax"`` (:mod:`kmp.commands.engine_launch`:
-            horovodrun starts the processes, which join JAX's runtime).
-        coordinator_port: The JAX coordinator's port (None: a free one).
-
-    Returns:
-        The :class:`LaunchPlan`.
-
-    Raises:
-        LaunchError: ``np < 1``, a missing script, an unknown controller or
-            policy, a missing identity file, a bad port or interface name, or hosts
-            with fewer slots than ``np``; bad elastic options.
-    """
-    if elastic is not None and hosts:
-        raise LaunchError(
-            "--elastic takes its hosts from --hostfile (re-read while the job runs) or "
-            "--host-discovery-script, not -H."
-        )
-    if elastic is None and (isinstance(np, bool) or not isinstance(np, int) or np < 1):
-        raise LaunchError(f"-np must be an integer >= 1 (the number of processes), got {np!r}.")
-    script_path = Path(script)
-    if not script_path.is_file():
-        raise LaunchError(
-            f"Script {str(script)!r} does not exist (looked in {Path.cwd()}); give the path "
-            "of a Python file."
-        )
-    if controller not in (None, "gloo", "mpi"):
-        raise LaunchError(f"controller must be 'gloo', 'mpi' or None, got {controller!r}.")
-    if policy is not None:
-        try:
-            policy = normalize_policy(policy)
-        except (TypeError, ValueError) as exc:
-            raise LaunchError(f"--policy: {exc}") from None
-    environ = os.environ if environ is None else environ
-    env = forwarded_env(environ, policy)
-    env.update(engine_env(engine, hosts, coordinator_port, environ, elastic=elastic is not None))
-    python = python or sys.executable
-    command = [python, str(script_path), *script_args]
-    extra: list[str] = []
-    if elastic is not None:
-        np, extra, hosts = elastic_args(elastic, np, python=python, controller=controller)
-    elif np == 1:
-        return LaunchPlan(argv=tuple(command), env=env, horovodrun=False)
-    else:
-        hosts = list(hosts) if hosts else [Host("localhost", np)]
-    total = sum(h.slots for h in hosts)
-    if elastic is None and total < np:
-        listed = ",".join(str(h) for h in hosts)
-        raise LaunchError(
-            f"-np {np} needs {np} slots, but the hosts ({listed}) provide {total}. "
-            "Add slots (-H host:N) or hosts, or lower -np."
-        )
-    local = local_argv(engine, hosts, np, python, command)
-    if local is not None:  # a JAX job on this machine: kmp's own launcher, no horovodrun
-        return LaunchPlan(argv=local, env=env, horovodrun=False)
-    if ssh_port is not None and (isinstance(ssh_port, bool) or not 1 <= int(ssh_port) <= 65535):
-        raise LaunchError(f"--ssh-port must be a TCP port from 1 to 65535, got {ssh_port!r}.")
-    if ssh_identity_file is not None and not Path(ssh_identity_file).is_file():
-        raise LaunchError(
-            f"--ssh-identity-file {str(ssh_identity_file)!r} does not exist; give the private "
-            "key that the other hosts accept."
-        )
-    nics = [n.strip() for n in (network_interfaces or "").split(",") if n.strip()]
-    if elastic is not None and not nics and hosts and all(h.name == "localhost" for h in hosts):
-        nics = ["lo"]  # Horovod's elastic driver probes interfaces for minutes otherwise
-    for nic in nics:
-        if not HOST_RE.match(nic) or len(nic) > 15:
-            raise LaunchError(f"--network-interface {nic!r} is not an interface name (e.g. eth0).")
-    argv = [horovodrun or _default_horovodrun(), "-np", str(np)]
-    if elastic is None:
-        argv += ["-H", ",".join(str(h) for h in hosts)]
-    argv += [*extra, f"--{controller or 'gloo'}"]
-    if ssh_port is not None:
-        argv += ["-p", str(ssh_port)]
-    if ssh_identity_file is not None:
-        argv += ["--ssh-identity-file", str(ssh_identity_file)]
-    if nics:
-        argv += ["--network-interfaces", ",".join(nics)]
-        if controller == "mpi":  # MPI's own out-of-band channel must take the same interface
-            argv.append(f"--mpi-args=-mca oob_tcp_if_include {','.join(nics)}")
-    checks = preflight.plan_checks(
-        [h.name for h in hosts],
-        nics,
-        python=python,
-        ssh_port=ssh_port,
-        identity_file=None if ssh_identity_file is None else str(ssh_identity_file),
-    )
-    return LaunchPlan(
-        argv=tuple(argv + command),
-        env=env,
-        horovodrun=True,
-        checks=checks,
-        discovery=None if elastic is None else elastic.discovery_script,
-        slots_per_host=None if elastic is None else elastic.slots_per_host,
-    )
-
-
-def format_command(plan: LaunchPlan) -> str:
-    """The plan as one copy-pasteable shell line (for display only; never executed)."""
-    prefix = [f"{k}={v}" for k, v in plan.env.items()]
-    return shlex.join([*prefix, *plan.argv])
-
-
-def execute(plan: LaunchPlan, *, check_hosts: bool = True) -> int:
-    """Check the hosts, run the plan and return its exit status (130 after Ctrl-C).
-
-    Args:
-        plan: What :func:`build_command` returned.
-        check_hosts: Run ``plan.checks`` first; a failed check returns 2 and
-            starts nothing.
-    """
-    if plan.discovery is not None:
-        try:
-            check_discovery(plan.discovery, plan.slots_per_host)
-        except LaunchError as exc:
-            print(f"kmp launch: error: {exc}", file=sys.stderr)
-            return 2
-    if check_hosts:
-        problems = preflight.run_checks(plan.checks)
-        for problem in problems:
-            print(f"kmp launch: error: {problem}", file=sys.stderr)
-        if problems:
-            return 2
-    if plan.horovodrun and shutil.which(plan.argv[0]) is None:
-        from kmp._imports import INSTALL_HINTS
-
-        print(
-            f"kmp launch: {plan.argv[0]!r} was not found. Horovod is needed for -np > 1: "
-            f"{INSTALL_HINTS['horovod']}",
-            file=sys.stderr,
-        )
-        return 127
-    return run_forwarding_signals(plan.argv, {**os.environ, **plan.env})
-
-
-# ------------------------------------------------------- parser / command / main
+__all__ = ["configure", "main", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -434,12 +148,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` as ``kmp launch`` arguments and run."""
-    parser = argparse.ArgumentParser(
-        prog="kmp launch", description="Run a training script on N processes under horovodrun."
-    )
-    configure(parser)
-    return run(parser.parse_args(argv))
+    """Parse ``argv`` as ``kmp launch`` arguments and run (``python -m kmp.commands.launch``)."""
+    return command_main(__name__, argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

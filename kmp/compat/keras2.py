@@ -44,10 +44,9 @@ from kmp._legacy_keras import (
     is_tf_keras_object,
     set_legacy_global_policy,
 )
-from kmp._names import POLICY_NAMES, normalize_compression
-from kmp.distributed.buckets import check_bucket_bytes
-from kmp.distributed.sparse import DEFAULT_SPARSE_GRADIENTS, check_sparse_gradients
+from kmp._names import POLICY_NAMES
 from kmp.learning_rate import scaled_learning_rate
+from kmp.optimizer_settings import OptimizerSettings
 
 __all__ = [
     "LEGACY_KERAS_ENV_VAR",
@@ -124,22 +123,19 @@ def set_global_policy(name: str, keras_module: ModuleType | None = None) -> Any:
 
 
 def _check_compression(compression: Any) -> Any:
-    """Return None, "fp16", or a custom Horovod Compression class passed through."""
-    if (
-        compression is not None
-        and not isinstance(compression, str)
-        and hasattr(compression, "compress")
-        and hasattr(compression, "decompress")
-        and getattr(compression, "__name__", "") not in ("NoneCompressor", "FP16Compressor")
-    ):
+    """Return None, "fp16", or a custom Horovod Compression class passed through.
+
+    ``compression`` is an :class:`~kmp.optimizer_settings.OptimizerSettings` field: a
+    canonical name, or a custom compressor it let through.
+    """
+    if compression is not None and not isinstance(compression, str):
         return compression  # a custom Horovod Compression class: only Horovod's layer knows it
-    name = normalize_compression(compression)
-    if name == "bf16":
+    if compression == "bf16":
         raise ValueError(
             "compression='bf16' is not available on the tf-keras path: Horovod's Keras layer "
             "only offers fp16 compression. Use compression='fp16' or None."
         )
-    return name
+    return compression
 
 
 def _check_optimizer(optimizer: Any, km: ModuleType) -> None:
@@ -164,24 +160,28 @@ def _check_optimizer(optimizer: Any, km: ModuleType) -> None:
         )
 
 
-def _tf_keras_rule(loss_scale: Any, knobs: dict[str, Any], km: ModuleType) -> _ls.LossScale:
+def _tf_keras_rule(chosen: OptimizerSettings, km: ModuleType) -> _ls.LossScale:
     """Resolve the loss-scale setting with kmp's rule; refuse knobs tf-keras cannot honour.
 
-    tf-keras's scale has no upper bound but float32's, so that is the range checked here.
+    tf-keras's scale has no upper bound but float32's, so that is the range checked here
+    when ``max_scale`` is not given. A ``LossScale`` states every knob: a dynamic one must
+    leave its scale unbounded (``max_scale=kmp.loss_scale.FLOAT32_MAX``).
     """
-    bounded = {**knobs}
-    if not _checks.given(bounded.get("max_scale", NOT_GIVEN)):
-        bounded["max_scale"] = _ls.FLOAT32_MAX
-    rule = _ls.from_setting(
-        loss_scale, compute_dtype=km.mixed_precision.global_policy().compute_dtype, **bounded
-    )
+    compute = km.mixed_precision.global_policy().compute_dtype
+    rule = chosen.loss_scale_rule(compute, max_scale=_ls.FLOAT32_MAX)
+    if isinstance(chosen.loss_scale, _ls.LossScale):
+        asked = rule.knobs()
+        if not rule.dynamic or rule.max_scale >= _ls.FLOAT32_MAX:
+            asked.pop("max_scale")
+    else:
+        asked = {k: v for k, v in chosen.given().items() if k in _ls.KNOBS}
     fixed = [
-        f"{k}={knobs[k]!r} (tf-keras uses {v!r})"
+        f"{k}={asked[k]!r} (tf-keras uses {v!r})"
         for k, v in TF_KERAS_RULE.items()
-        if _checks.given(knobs.get(k, NOT_GIVEN)) and getattr(rule, k) != v
+        if k in asked and getattr(rule, k) != v
     ]
-    if _checks.given(knobs.get("max_scale", NOT_GIVEN)):
-        fixed.append(f"max_scale={knobs['max_scale']!r} (tf-keras's scale has no upper bound)")
+    if "max_scale" in asked:
+        fixed.append(f"max_scale={asked['max_scale']!r} (tf-keras's scale has no upper bound)")
     if fixed:
         raise ValueError(
             "tf-keras's LossScaleOptimizer, which this path uses with Horovod's Keras layer, "
@@ -194,7 +194,8 @@ def _tf_keras_rule(loss_scale: Any, knobs: dict[str, Any], km: ModuleType) -> _l
 def wrap_optimizer(
     optimizer: Any,
     *,
-    loss_scale: str | float | None = "dynamic",
+    settings: OptimizerSettings | None = None,
+    loss_scale: str | float | _ls.LossScale | None = NOT_GIVEN,
     initial_scale: float = NOT_GIVEN,
     growth_interval: int = NOT_GIVEN,
     growth_factor: float = NOT_GIVEN,
@@ -202,11 +203,13 @@ def wrap_optimizer(
     min_scale: float = NOT_GIVEN,
     max_scale: float = NOT_GIVEN,
     hysteresis: int = NOT_GIVEN,
-    compression: Any = None,
-    backward_passes_per_step: int = 1,
-    scale_lr: bool = False,
-    bucket_bytes: int | None = None,
-    sparse_gradients: str = DEFAULT_SPARSE_GRADIENTS,
+    compression: Any = NOT_GIVEN,
+    backward_passes_per_step: int = NOT_GIVEN,
+    scale_lr: bool = NOT_GIVEN,
+    bucket_bytes: int | None = NOT_GIVEN,
+    sparse_gradients: str = NOT_GIVEN,
+    master_weights: str = NOT_GIVEN,
+    rounding_seed: int = NOT_GIVEN,
     keras_module: ModuleType | None = None,
 ) -> Any:
     """Wrap a tf-keras optimizer as ``LossScaleOptimizer(hvd.DistributedOptimizer(opt))``.
@@ -217,18 +220,23 @@ def wrap_optimizer(
     arguments are checked by the same rule as :func:`kmp.wrap_optimizer`
     (:mod:`kmp.loss_scale`); tf-keras's own ``LossScaleOptimizer`` does the
     scaling, so the knobs it has fixed (:data:`TF_KERAS_RULE`) cannot be changed
-    here, and its scale has no ``max_scale``.
+    here, and its scale has no ``max_scale``. The settings, their defaults
+    (:data:`kmp.optimizer_settings.DEFAULTS`) and the rule for ``settings=`` with
+    keyword arguments are :class:`kmp.OptimizerSettings`'s, as for
+    :func:`kmp.wrap_optimizer`.
 
     Args:
         optimizer: A ``tf_keras.optimizers`` optimizer (new or legacy). A
             ``LossScaleOptimizer`` is unwrapped and a fresh copy of its inner
             optimizer re-wrapped.
+        settings: An :class:`kmp.OptimizerSettings` holding any of the fields below.
         loss_scale: ``"dynamic"`` (default): dynamic loss scaling when the
             module's global policy computes in float16 (read when this is
             called), none otherwise; ``"force_dynamic"``: dynamic scaling under
             any policy; a positive number: a fixed loss scale (tf-keras then
             applies non-finite steps too, unlike :func:`kmp.wrap_optimizer`);
-            None: no loss scaling.
+            None: no loss scaling; or a :class:`kmp.loss_scale.LossScale` whose knobs
+            tf-keras has (a dynamic one with ``max_scale=kmp.loss_scale.FLOAT32_MAX``).
         initial_scale: The first dynamic loss scale (default ``2**15``, >= 1).
         growth_interval: Finite steps in a row before the dynamic scale doubles
             (``dynamic_growth_steps``, default 2000).
@@ -242,13 +250,16 @@ def wrap_optimizer(
             (and averaged) before one allreduce and update.
         scale_lr: Multiply the learning rate by the number of ranks (in place,
             before wrapping; a schedule cannot be scaled here).
-        bucket_bytes: Only None: Horovod's Keras layer reduces the gradients itself,
-            without kmp's buckets.
+        bucket_bytes: Only None (when not given, kmp's buckets are simply not used):
+            Horovod's Keras layer reduces the gradients itself.
         sparse_gradients: ``"gather"`` (default): Horovod allgathers sparse
             gradients (``tf.IndexedSlices``, from ``Embedding``), uncompressed (its
             compression is for dense tensors); ``"dense"``: Horovod's
             ``sparse_as_dense=True``. With ``backward_passes_per_step > 1`` they are
             always densified (Horovod accumulates dense tensors only).
+        master_weights: Only its default, ``"auto"``: tf-keras updates the weights in
+            their own dtype (kmp's master-weight modes are Keras 3 only).
+        rounding_seed: Only its default, 0 (Keras 3 only, like ``master_weights``).
         keras_module: ``tf_keras``; None takes the optimizer's own module.
 
     Returns:
@@ -256,53 +267,56 @@ def wrap_optimizer(
 
     Raises:
         TypeError: ``optimizer`` is a Keras 3 optimizer (use ``kmp.wrap_optimizer``)
-            or not an optimizer, or an argument has the wrong type.
-        ValueError: An already wrapped optimizer, a bad argument, or a knob tf-keras
-            does not have.
+            or not an optimizer, ``settings`` is not an ``OptimizerSettings``, or an
+            argument has the wrong type.
+        ValueError: An already wrapped optimizer, a bad argument, one given in
+            ``settings`` and as a keyword differently, or a setting tf-keras does not have.
         ImportError: Several processes were launched but Horovod is missing.
     """
+    chosen = OptimizerSettings.combine(settings, locals())  # the fields among the arguments
+    chosen.refuse(
+        ("master_weights", "rounding_seed"),
+        path="The tf-keras path (kmp.compat.keras2)",
+        instead="kmp's master-weight modes are Keras 3 only: leave these out.",
+    )
     km = keras_module if keras_module is not None else keras_module_for(optimizer)
     lso = getattr(getattr(km, "mixed_precision", None), "LossScaleOptimizer", None)
     if lso is not None and isinstance(optimizer, lso):
         # tf-keras lets an optimizer be wrapped by one LossScaleOptimizer only: re-wrap a
         # copy of the inner one (as Horovod's DistributedOptimizer does anyway), keeping its
         # current scale (within tf-keras's floor of 1) and growth interval unless given.
-        if getattr(optimizer, "dynamic", False) and not _checks.is_real(loss_scale):
-            if not _checks.given(initial_scale):
-                initial_scale = max(1.0, float(optimizer.loss_scale))
-            if not _checks.given(growth_interval):
-                growth_interval = int(optimizer.dynamic_growth_steps)
+        setting = chosen.loss_scale
+        if getattr(optimizer, "dynamic", False) and not (
+            _checks.is_real(setting) or isinstance(setting, _ls.LossScale)
+        ):
+            kept = {
+                "initial_scale": max(1.0, float(optimizer.loss_scale)),
+                "growth_interval": int(optimizer.dynamic_growth_steps),
+            }
+            chosen = OptimizerSettings(**{**kept, **chosen.given()})
         inner_opt = optimizer.inner_optimizer
         optimizer = type(inner_opt).from_config(inner_opt.get_config())
     _check_optimizer(optimizer, km)
-    knobs = {
-        "initial_scale": initial_scale,
-        "growth_interval": growth_interval,
-        "growth_factor": growth_factor,
-        "backoff_factor": backoff_factor,
-        "min_scale": min_scale,
-        "max_scale": max_scale,
-        "hysteresis": hysteresis,
-    }
-    rule = _tf_keras_rule(loss_scale, knobs, km)
-    passes = _checks.check_int("backward_passes_per_step", backward_passes_per_step, minimum=1)
-    as_dense = check_sparse_gradients(sparse_gradients) == "dense" or passes > 1
-    _checks.check_bool("scale_lr", scale_lr)
-    if check_bucket_bytes(bucket_bytes) is not None:
+    rule = _tf_keras_rule(chosen, km)
+    full = chosen.resolved()
+    passes = full["backward_passes_per_step"]
+    as_dense = full["sparse_gradients"] == "dense" or passes > 1
+    buckets = chosen.given().get("bucket_bytes")
+    if buckets is not None:
         raise ValueError(
-            f"bucket_bytes={bucket_bytes} is not available on the tf-keras path: Horovod's "
+            f"bucket_bytes={buckets} is not available on the tf-keras path: Horovod's "
             "Keras layer reduces the gradients itself. Leave bucket_bytes out (or pass None)."
         )
     from kmp import distributed
 
-    comp = _check_compression(compression)
+    comp = _check_compression(full["compression"])
     world = distributed.init()
     hvd_keras = None
     if world.horovod:
         hvd_keras = optional_import("horovod.tensorflow.keras", feature="the tf-keras path")
         if comp is None or isinstance(comp, str):
             comp = hvd_keras.Compression.fp16 if comp == "fp16" else hvd_keras.Compression.none
-    if scale_lr:
+    if full["scale_lr"]:
         raw = getattr(optimizer, "_learning_rate", None)
         optimizer.learning_rate = scaled_learning_rate(
             raw if raw is not None else optimizer.learning_rate,

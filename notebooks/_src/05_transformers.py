@@ -184,10 +184,10 @@ plt.show()
 # of 128 bytes, 2,048 tokens a step, Adam with a cosine decay): `loss_scale=None` (float16
 # gradients as they come) against `kmp.wrap_optimizer`'s dynamic scale, started at the probe's
 # recommendation (`initial_scale=report.recommended_loss_scale`). The validation loss is
-# measured every 20 steps on 256 held-out sequences.
+# measured every 15 steps on 256 held-out sequences.
 
 # %%
-STEPS, EVERY, BATCH = 120, 20, 16
+STEPS, EVERY, BATCH = 60, 15, 16
 order = np.random.default_rng(0).permutation(len(x_train))[: STEPS * BATCH]
 
 

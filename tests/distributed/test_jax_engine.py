@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from kmp import _launcher_env as env
-from kmp.commands.engine_launch import jax_env, pick_port, port_is_free
-from kmp.commands.hosts import Host, LaunchError
-from kmp.commands.launch import build_command
 from kmp.distributed.engines import choose_engine
+from kmp.launching.engines import jax_env, pick_port, port_is_free
+from kmp.launching.hosts import Host, LaunchError
+from kmp.launching.plan import build_command
 from tests._support import ROOT, requires_horovod, run_workers
 
 WORKER = ROOT / "tests" / "distributed" / "worker_jax_engine.py"
@@ -98,7 +98,7 @@ def test_build_command_for_the_jax_engine(tmp_path):
     # On this machine alone: kmp's own launcher, no horovodrun (Horovod need not be installed).
     assert not plan.horovodrun and plan.argv[1:6] == (
         "-m",
-        "kmp.commands.local_run",
+        "kmp.launching.local_run",
         "-np",
         "2",
         "--",
@@ -111,7 +111,7 @@ def test_build_command_for_the_jax_engine(tmp_path):
     assert plan.env["KERAS_BACKEND"] == "jax"
     assert plan.env["KMP_COORDINATOR"].startswith("127.0.0.1:")
     with pytest.raises(LaunchError, match="--elastic runs on Horovod"):
-        from kmp.commands.elastic_launch import ElasticOptions
+        from kmp.launching.elastic import ElasticOptions
 
         build_command(None, script, engine="jax", elastic=ElasticOptions(min_np=1, max_np=2))
     with socket.socket() as taken:
@@ -135,7 +135,7 @@ def test_horovod_with_the_jax_backend_is_refused(tmp_path):
 
 
 def test_the_local_launcher_tags_output_and_stops_the_others_when_one_fails(tmp_path, capfd):
-    from kmp.commands import local_run
+    from kmp.launching import local_run
 
     assert local_run.rank_env(1, 2) == {
         "KMP_RANK": "1",
@@ -169,7 +169,7 @@ def test_horovod_refuses_a_job_of_the_local_launcher(monkeypatch):
     monkeypatch.setenv("KMP_SIZE", "2")
     with pytest.raises(ValueError, match="kmp's local launcher"):
         kmp.distributed.init()
-    from kmp.commands.launch import forwarded_env
+    from kmp.launching.plan import forwarded_env
 
     assert forwarded_env({"KMP_RANK": "1", "KMP_SIZE": "2", "KMP_X": "y"}) == {"KMP_X": "y"}
 

@@ -16,8 +16,9 @@ from kmp import _checks
 from kmp import loss_scale as _ls
 from kmp._names import normalize_compression
 from kmp.distributed import sparse
-from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES, check_bucket_bytes
+from kmp.distributed.buckets import check_bucket_bytes
 from kmp.learning_rate import scaled_learning_rate
+from kmp.optimizer_settings import DEFAULTS, OptimizerSettings
 
 __all__ = ["DistributedOptimizer", "broadcast_global_variables", "distributed_optimizer"]
 
@@ -69,8 +70,8 @@ class DistributedOptimizer(_v1.train.Optimizer):
         rule: _ls.LossScale,
         *,
         compression: str | None,
-        bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-        sparse_gradients: str = sparse.DEFAULT_SPARSE_GRADIENTS,
+        bucket_bytes: int | None = DEFAULTS["bucket_bytes"],
+        sparse_gradients: str = DEFAULTS["sparse_gradients"],
         name: str | None = None,
     ) -> None:
         super().__init__(
@@ -286,9 +287,10 @@ def _scale_learning_rate(opt: Any, factor: int) -> None:
 def distributed_optimizer(
     tf1_optimizer: Any,
     *,
-    loss_scale: str | float | None = None,
-    compression: Any = None,
-    scale_lr: bool = False,
+    settings: OptimizerSettings | None = None,
+    loss_scale: str | float | _ls.LossScale | None = NOT_GIVEN,
+    compression: Any = NOT_GIVEN,
+    scale_lr: bool = NOT_GIVEN,
     initial_scale: float = NOT_GIVEN,
     growth_interval: int = NOT_GIVEN,
     growth_factor: float = NOT_GIVEN,
@@ -296,26 +298,31 @@ def distributed_optimizer(
     min_scale: float = NOT_GIVEN,
     max_scale: float = NOT_GIVEN,
     hysteresis: int = NOT_GIVEN,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-    sparse_gradients: str = sparse.DEFAULT_SPARSE_GRADIENTS,
+    bucket_bytes: int | None = NOT_GIVEN,
+    sparse_gradients: str = NOT_GIVEN,
     name: str | None = None,
 ) -> DistributedOptimizer:
     """Wrap a ``tf.compat.v1.train`` optimizer with Horovod averaging and loss scaling.
 
     Replaces ``hvd.DistributedOptimizer(opt)`` (and TensorFlow's
     ``MixedPrecisionLossScaleOptimizer``) in TF1 graph code. Gradients are
-    averaged over all ranks with one grouped allreduce *before* they are
+    averaged over all ranks (in buckets of ``bucket_bytes``) *before* they are
     unscaled and checked for inf/NaN, so every rank applies or skips a step
-    together. In a single process the allreduce is skipped. The loss-scale
-    arguments, their defaults and checks are :func:`kmp.wrap_optimizer`'s.
+    together. In a single process the allreduce is skipped. The settings, their
+    defaults and checks are :class:`kmp.OptimizerSettings`'s, as for
+    :func:`kmp.wrap_optimizer`; ``settings=`` and keyword arguments combine by its
+    rule. ``backward_passes_per_step``, ``master_weights`` and ``rounding_seed`` (in a
+    ``settings``) can only be their defaults here.
 
     Args:
         tf1_optimizer: A ``tf.compat.v1.train.Optimizer``, e.g. ``AdamOptimizer(1e-3)``.
-        loss_scale: None (default: no loss scaling, for float32 or bfloat16
-            graphs), ``"dynamic"`` or ``"force_dynamic"`` (the same here: a TF1
-            graph has no Keras policy, so asking is choosing float16's dynamic
-            scaling), or a positive number (a fixed scale; non-finite steps are
-            still skipped).
+        settings: An :class:`kmp.OptimizerSettings` holding any of the fields here.
+        loss_scale: Not given (the default, ``"dynamic"``, read for a graph that
+            computes in float32 or bfloat16, as a TF1 graph has no Keras policy to say
+            otherwise): no loss scaling. ``"dynamic"`` or ``"force_dynamic"`` given
+            (the same here: asking is saying the graph computes in float16): dynamic
+            scaling. A positive number: a fixed scale (non-finite steps are still
+            skipped). None: no loss scaling. Or a :class:`kmp.loss_scale.LossScale`.
         compression: None, ``"fp16"``/``"bf16"``, or Horovod's
             ``hvd.Compression.none``/``hvd.Compression.fp16``: the dtype the
             gradients travel in.
@@ -344,37 +351,33 @@ def distributed_optimizer(
         ``compute_gradients``/``apply_gradients`` as with any TF1 optimizer.
 
     Raises:
-        TypeError: ``tf1_optimizer`` is not a ``tf.compat.v1.train`` optimizer, or
-            an argument has the wrong type.
+        TypeError: ``tf1_optimizer`` is not a ``tf.compat.v1.train`` optimizer,
+            ``settings`` is not an ``OptimizerSettings``, or an argument has the wrong type.
         ValueError: An already wrapped optimizer, a bad ``loss_scale``, knob,
-            ``compression`` or ``sparse_gradients``.
+            ``compression`` or ``sparse_gradients``, a field given in ``settings`` and as
+            a keyword differently, or one this path can only have at its default.
     """
-    _check_tf1_optimizer(tf1_optimizer)
-    rule = _ls.from_setting(
-        loss_scale,
-        compute_dtype="float16",  # asking for "dynamic" in a TF1 graph means float16
-        initial_scale=initial_scale,
-        growth_interval=growth_interval,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
+    chosen = OptimizerSettings.combine(settings, locals())  # the fields among the arguments
+    chosen.refuse(
+        ("backward_passes_per_step", "master_weights", "rounding_seed"),
+        path="kmp.compat.v1.distributed_optimizer",
+        instead="Accumulation and master-weight modes are kmp.wrap_optimizer's (Keras 3).",
     )
-    comp = normalize_compression(compression)
-    bucket_bytes = check_bucket_bytes(bucket_bytes)
-    sparse_gradients = sparse.check_sparse_gradients(sparse_gradients)
-    _checks.check_bool("scale_lr", scale_lr)
-    if scale_lr:
+    _check_tf1_optimizer(tf1_optimizer)
+    # A given "dynamic" says the graph computes in float16; the default assumes it does not.
+    compute = "float16" if _checks.given(chosen.loss_scale) else "float32"
+    rule = chosen.loss_scale_rule(compute)
+    full = chosen.resolved()
+    if full["scale_lr"]:
         from kmp import distributed
 
         _scale_learning_rate(tf1_optimizer, distributed.size())
     return DistributedOptimizer(
         tf1_optimizer,
         rule,
-        compression=comp,
-        bucket_bytes=bucket_bytes,
-        sparse_gradients=sparse_gradients,
+        compression=normalize_compression(full["compression"]),
+        bucket_bytes=full["bucket_bytes"],
+        sparse_gradients=full["sparse_gradients"],
         name=name,
     )
 

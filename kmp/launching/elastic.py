@@ -6,7 +6,7 @@
     kmp launch --elastic --min-np 2 --host-discovery-script ./discover.sh train.py
 
 Horovod's elastic driver polls a host discovery script every second. With
-``--hostfile`` kmp supplies it (:mod:`kmp.commands.discover` re-reads the file,
+``--hostfile`` kmp supplies it (:mod:`kmp.launching.discover` re-reads the file,
 so editing the file adds or removes hosts); ``--host-discovery-script`` takes
 the user's own. Elastic jobs run on Gloo.
 
@@ -25,7 +25,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from kmp.commands.hosts import Host, LaunchError, parse_discovery_output, read_hostfile
+from kmp.launching.hosts import Host, LaunchError, parse_discovery_output, read_hostfile
 
 __all__ = [
     "DISCOVERY_TIMEOUT_S",
@@ -133,7 +133,7 @@ def elastic_args(
                 f"{min_np}: add hosts to the file or lower --min-np."
             )
         discovery = shlex.join(
-            [python, "-m", "kmp.commands.discover", str(Path(options.hostfile).resolve())]
+            [python, "-m", "kmp.launching.discover", str(Path(options.hostfile).resolve())]
         )
         start_np = slots if max_np is None else min(slots, max_np)
     np = start_np if np is None else _positive(np, "-np")

@@ -1,4 +1,4 @@
-"""``python -m kmp.commands.discover HOSTFILE``: the host discovery script behind ``--hostfile``.
+"""``python -m kmp.launching.discover HOSTFILE``: the host discovery script behind ``--hostfile``.
 
 ``kmp launch --elastic --hostfile FILE`` gives Horovod's elastic driver this
 command as its ``--host-discovery-script``. The driver runs it every second;
@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from kmp.commands.hosts import Host, LaunchError, read_hostfile
+from kmp.launching.hosts import Host, LaunchError, read_hostfile
 
 __all__ = ["discovery_lines", "main"]
 
@@ -27,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Print the hostfile ``argv[0]`` as discovery lines; 1 and a message if it is bad."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m kmp.commands.discover HOSTFILE", file=sys.stderr)
+        print("usage: python -m kmp.launching.discover HOSTFILE", file=sys.stderr)
         return 2
     try:
         hosts = read_hostfile(args[0])

@@ -11,7 +11,7 @@ SIGTERM are passed on to every process.
 
 ::
 
-    python -m kmp.commands.local_run -np 2 -- python train.py --epochs 3
+    python -m kmp.launching.local_run -np 2 -- python train.py --epochs 3
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kmp.commands.local_run -np N -- COMMAND ...``."""
+    """``python -m kmp.launching.local_run -np N -- COMMAND ...``."""
     parser = argparse.ArgumentParser(prog="kmp-local-run", description=__doc__.splitlines()[0])
     parser.add_argument("-np", type=int, required=True, metavar="N")
     parser.add_argument("command", nargs=argparse.REMAINDER)

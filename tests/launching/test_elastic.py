@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kmp.commands import discover, launch
-from kmp.commands.elastic_launch import ElasticOptions, check_discovery, elastic_args
-from kmp.commands.hosts import Host, LaunchError, parse_discovery_output
+from kmp.commands import launch
+from kmp.launching import discover
+from kmp.launching import plan as lp
+from kmp.launching.elastic import ElasticOptions, check_discovery, elastic_args
+from kmp.launching.hosts import Host, LaunchError, parse_discovery_output
 from tests._support import ROOT, requires_horovod
 
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
@@ -48,7 +50,7 @@ def test_hostfile_mode_uses_kmps_discovery_of_the_file(capsys, script, hostfile)
     assert cmd[:3] == [HOROVODRUN, "-np", "3"]  # the file's 4 slots, capped at --max-np
     assert (value(cmd, "--min-np"), value(cmd, "--max-np")) == ("2", "3")
     assert shlex.split(value(cmd, "--host-discovery-script")) == [
-        sys.executable, "-m", "kmp.commands.discover", str(hostfile.resolve())]  # fmt: skip
+        sys.executable, "-m", "kmp.launching.discover", str(hostfile.resolve())]  # fmt: skip
     assert value(cmd, "--elastic-timeout") == "30"
     assert cmd[cmd.index("--blacklist-cooldown-range") + 1 :][:2] == ["5", "10"]
     assert "-H" not in cmd and "--gloo" in cmd
@@ -149,12 +151,12 @@ def test_execute_stops_on_a_failing_or_malformed_script(tmp_path, script, capsys
     own = tmp_path / "discover.sh"
     own.write_text("#!/bin/sh\necho n1:1\necho 'oops not a host'\n")
     own.chmod(0o755)
-    plan = launch.build_command(None, script, elastic=ElasticOptions(
+    plan = lp.build_command(None, script, elastic=ElasticOptions(
         min_np=1, discovery_script=str(own)), horovodrun="/bin/false")  # fmt: skip
-    assert launch.execute(plan) == 2
+    assert lp.execute(plan) == 2
     assert "printed line 2" in capsys.readouterr().err
     own.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
-    assert launch.execute(plan) == 2
+    assert lp.execute(plan) == 2
     assert "exited with status 3: broken" in capsys.readouterr().err
 
 

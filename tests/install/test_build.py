@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from kmp.commands import build_record, cuda_toolkit, install_horovod
-from kmp.commands import install_plan as ip
+from kmp.commands import install_horovod
 from kmp.hardware import CPU, Hardware
-
-ROOT = Path(__file__).resolve().parents[1]
+from kmp.install import build, cuda, record
+from kmp.install import plan as ip
+from tests._support import ROOT
 
 
 def _kmp(*args, env=None, python=sys.executable, flags=()):
@@ -43,7 +43,7 @@ def test_dry_run_json_on_this_cpu_machine(tmp_path):
     plan = json.loads(r.stdout)
     assert plan["device"] == "cpu" and plan["tensorflow"] == "tensorflow-cpu==2.21.0"
     assert "HOROVOD_GPU_OPERATIONS" not in plan["build_env"]
-    assert plan["mpi"] == bool(build_record.python_facts().mpicxx)
+    assert plan["mpi"] == bool(record.python_facts().mpicxx)
     assert plan["problems"] == [] and plan["cached_wheel"] is None
     assert plan["cache_key"].startswith("horovod-0.28.1-cp311-")
 
@@ -62,10 +62,10 @@ def test_the_summary_needs_only_the_standard_library():
 
 
 def test_cache_root_follows_the_environment(tmp_path):
-    assert install_horovod.cache_root({"KMP_CACHE_DIR": str(tmp_path)}) == tmp_path
-    xdg = install_horovod.cache_root({"XDG_CACHE_HOME": "/x"})
+    assert build.cache_root({"KMP_CACHE_DIR": str(tmp_path)}) == tmp_path
+    xdg = build.cache_root({"XDG_CACHE_HOME": "/x"})
     assert xdg == Path("/x/kmp")
-    assert install_horovod.cache_root({}) == Path.home() / ".cache" / "kmp"
+    assert build.cache_root({}) == Path.home() / ".cache" / "kmp"
 
 
 def test_store_and_find_a_cached_wheel(tmp_path):
@@ -73,11 +73,11 @@ def test_store_and_find_a_cached_wheel(tmp_path):
     built.parent.mkdir()
     built.write_bytes(b"wheel bytes")
     root = tmp_path / "cache"
-    assert install_horovod.cached_wheel(root, "k1") is None
-    kept = install_horovod.store_wheel(root, "k1", built)
+    assert build.cached_wheel(root, "k1") is None
+    kept = build.store_wheel(root, "k1", built)
     assert kept == root / "wheels" / "k1" / built.name and kept.read_bytes() == b"wheel bytes"
-    assert install_horovod.cached_wheel(root, "k1") == kept
-    assert install_horovod.cached_wheel(root, "k2") is None
+    assert build.cached_wheel(root, "k1") == kept
+    assert build.cached_wheel(root, "k2") is None
     assert [p.name for p in kept.parent.iterdir()] == [built.name]  # no temporary left
 
 
@@ -90,33 +90,33 @@ def _facts(**kw):
         mpicxx="/usr/bin/mpicxx",
         compiler="/usr/bin/c++",
     )
-    return build_record.PythonFacts(**{**base, **kw})
+    return record.PythonFacts(**{**base, **kw})
 
 
 def test_problems_say_what_to_do():
     cpu_plan = ip.plan_install(Hardware(cpu=CPU()), mpi_available=True)
-    assert install_horovod.problems(cpu_plan, _facts(), None) == []
-    (no_tf,) = install_horovod.problems(cpu_plan, _facts(tensorflow=None), None)
+    assert build.problems(cpu_plan, _facts(), None) == []
+    (no_tf,) = build.problems(cpu_plan, _facts(tensorflow=None), None)
     assert "no TensorFlow" in no_tf and "pip install 'tensorflow-cpu==2.21.0'" in no_tf
-    (no_mpi,) = install_horovod.problems(cpu_plan, _facts(mpicxx=None), None)
+    (no_mpi,) = build.problems(cpu_plan, _facts(mpicxx=None), None)
     assert "apt-get install openmpi-bin libopenmpi-dev" in no_mpi and "--no-mpi" in no_mpi
-    (no_cxx,) = install_horovod.problems(cpu_plan, _facts(compiler=None), None)
+    (no_cxx,) = build.problems(cpu_plan, _facts(compiler=None), None)
     assert "apt-get install g++" in no_cxx
     gpu_plan = ip.plan_install(Hardware(), device="cuda", mpi=False)
-    cpu_tf, no_cuda = install_horovod.problems(gpu_plan, _facts(), None)
+    cpu_tf, no_cuda = build.problems(gpu_plan, _facts(), None)
     assert "CPU-only" in cpu_tf and "tensorflow[and-cuda]==2.21.0" in cpu_tf
     assert "--gpu none" in no_cuda
 
 
 def test_verify_the_installed_build_against_plans():
-    facts = build_record.python_facts()
+    facts = record.python_facts()
     plan = ip.plan_install(Hardware(), mpi_available=bool(facts.mpicxx))
     # (horovodrun --check-build ran when set-up verified this build; 45 s, not again here)
-    bad, loaded = build_record.verify(sys.executable, plan, check_build=False)
+    bad, loaded = record.verify(sys.executable, plan, check_build=False)
     assert bad == [] and loaded["loaded"] and loaded["version"] == "0.28.1"
     assert loaded["tensorflow"] == facts.tensorflow_version
     nccl_plan = ip.plan_install(Hardware(), device="cuda", mpi=bool(facts.mpicxx))
-    bad, _ = build_record.verify(sys.executable, nccl_plan, check_build=False)
+    bad, _ = record.verify(sys.executable, nccl_plan, check_build=False)
     assert bad == ["Horovod was built without NCCL"]
 
 
@@ -127,30 +127,30 @@ def test_the_build_record_follows_the_installed_library(tmp_path):
     loaded = {"library": {"path": str(lib), "size": st.st_size, "mtime_ns": st.st_mtime_ns}}
     plan = ip.plan_install(Hardware())
     facts = _facts(prefix=str(tmp_path))
-    path = build_record.write("key-1", plan, facts, loaded)
+    path = record.write("key-1", plan, facts, loaded)
     assert path == tmp_path / "share" / "kmp" / "horovod-build.json"
-    record = build_record.read(str(tmp_path))
-    assert record["key"] == "key-1" and record["tensorflow"] == "tensorflow-cpu==2.21.0"
-    assert build_record.is_current(record)
+    written = record.read(str(tmp_path))
+    assert written["key"] == "key-1" and written["tensorflow"] == "tensorflow-cpu==2.21.0"
+    assert record.is_current(written)
     lib.write_bytes(b"y" * 11)  # another build replaced the library
-    assert not build_record.is_current(record)
-    assert build_record.read(str(tmp_path / "none")) is None
-    assert not build_record.is_current(None)
+    assert not record.is_current(written)
+    assert record.read(str(tmp_path / "none")) is None
+    assert not record.is_current(None)
 
 
 def test_a_record_under_another_key_means_a_rebuild(tmp_path):
-    facts = build_record.python_facts()
+    facts = record.python_facts()
     plan = ip.plan_install(Hardware(), mpi_available=bool(facts.mpicxx))
-    loaded = build_record.up_to_date("any-key", plan, facts)  # the real record: ours differs
+    loaded = record.up_to_date("any-key", plan, facts)  # the real record: ours differs
     assert loaded is None
-    record = build_record.read()
-    assert record is not None and build_record.up_to_date(record["key"], plan, facts)["loaded"]
+    real = record.read()
+    assert real is not None and record.up_to_date(real["key"], plan, facts)["loaded"]
 
 
 @pytest.fixture
 def no_system_cuda(monkeypatch):
-    monkeypatch.setattr(cuda_toolkit, "SYSTEM_HOMES", ())
-    monkeypatch.setattr(cuda_toolkit, "SYSTEM_NCCL", ())
+    monkeypatch.setattr(cuda, "SYSTEM_HOMES", ())
+    monkeypatch.setattr(cuda, "SYSTEM_NCCL", ())
 
 
 def _toolkit_tree(tmp_path, nccl_in_wheel=True):
@@ -171,61 +171,61 @@ def _toolkit_tree(tmp_path, nccl_in_wheel=True):
 
 def test_cuda_toolkit_found_with_nccl_from_the_wheel(tmp_path, no_system_cuda):
     home, site = _toolkit_tree(tmp_path)
-    tk = cuda_toolkit.find({"CUDA_HOME": str(home), "PATH": ""}, str(site))
+    tk = cuda.find({"CUDA_HOME": str(home), "PATH": ""}, str(site))
     assert tk is not None and tk.home == str(home) and tk.version == "12.4"
     assert tk.nccl_source == "wheel" and tk.nccl_lib == str(site / "nvidia" / "nccl" / "lib")
     assert "CUDA 12.4" in tk.describe()
-    env = cuda_toolkit.build_env(tk, tmp_path / "work")
+    env = cuda.build_env(tk, tmp_path / "work")
     assert env["HOROVOD_CUDA_HOME"] == str(home)
     assert env["HOROVOD_NCCL_INCLUDE"] == str(site / "nvidia" / "nccl" / "include")
     link = Path(env["HOROVOD_NCCL_LIB"]) / "libnccl.so"  # the linker's name for the library
     assert link.is_symlink() and os.readlink(link).endswith("libnccl.so.2")
     # Found at run time relative to Horovod's library, in whichever environment has the wheel.
     assert env["LDFLAGS"] == "-Wl,-rpath,$ORIGIN/../../nvidia/nccl/lib"
-    kept = cuda_toolkit.build_env(tk, tmp_path / "work", {"LDFLAGS": "-O1"})
+    kept = cuda.build_env(tk, tmp_path / "work", {"LDFLAGS": "-O1"})
     assert kept["LDFLAGS"] == "-O1 -Wl,-rpath,$ORIGIN/../../nvidia/nccl/lib"
-    assert cuda_toolkit.describe_env(tk)["LDFLAGS"] == env["LDFLAGS"]
-    assert cuda_toolkit.warnings(tk) == []  # CUDA 12, like TensorFlow's wheels
+    assert cuda.describe_env(tk)["LDFLAGS"] == env["LDFLAGS"]
+    assert cuda.warnings(tk) == []  # CUDA 12, like TensorFlow's wheels
 
 
 def test_a_toolkit_of_another_cuda_major_is_a_warning(tmp_path, no_system_cuda):
     home, site = _toolkit_tree(tmp_path)
     (home / "include" / "cuda_runtime_api.h").write_text("#define CUDART_VERSION 13000\n")
-    tk = cuda_toolkit.find({"CUDA_HOME": str(home), "PATH": ""}, str(site))
-    (warning,) = cuda_toolkit.warnings(tk)
+    tk = cuda.find({"CUDA_HOME": str(home), "PATH": ""}, str(site))
+    (warning,) = cuda.warnings(tk)
     assert "13.0" in warning and "CUDA 12" in warning and "driver" in warning
 
 
 def test_nvcc_on_the_path_finds_its_toolkit(tmp_path, no_system_cuda):
     home, site = _toolkit_tree(tmp_path)
-    tk = cuda_toolkit.find({"PATH": str(home / "bin")}, str(site))
+    tk = cuda.find({"PATH": str(home / "bin")}, str(site))
     assert tk is not None and Path(tk.home).resolve() == home.resolve()
 
 
 def test_no_nvcc_or_no_nccl_means_no_gpu_build(tmp_path, no_system_cuda):
     home, site = _toolkit_tree(tmp_path, nccl_in_wheel=False)
-    assert cuda_toolkit.find({"CUDA_HOME": str(home), "PATH": ""}, str(site)) is None
-    said = cuda_toolkit.missing({"CUDA_HOME": str(home), "PATH": ""}, str(site))
+    assert cuda.find({"CUDA_HOME": str(home), "PATH": ""}, str(site)) is None
+    said = cuda.missing({"CUDA_HOME": str(home), "PATH": ""}, str(site))
     assert said.startswith("CUDA 12.4 toolkit at") and "no NCCL (looked in" in said
-    said = cuda_toolkit.missing({"PATH": ""}, str(site))
+    said = cuda.missing({"PATH": ""}, str(site))
     assert "no CUDA toolkit with nvcc" in said and "bring no nvcc" in said
     # A folder with an nvcc wrapper script but no CUDA headers is not a toolkit.
     wrapper = tmp_path / "wrapper"
     (wrapper / "bin").mkdir(parents=True)
     (wrapper / "bin" / "nvcc").write_text('#!/bin/sh\nexec /elsewhere/nvcc "$@"\n')
-    assert cuda_toolkit.find_parts({"CUDA_HOME": str(wrapper), "PATH": ""}, str(site))[0] is None
+    assert cuda.find_parts({"CUDA_HOME": str(wrapper), "PATH": ""}, str(site))[0] is None
     home, site = _toolkit_tree(tmp_path / "2")
-    assert cuda_toolkit.find({"PATH": ""}, str(site)) is None  # no toolkit anywhere
+    assert cuda.find({"PATH": ""}, str(site)) is None  # no toolkit anywhere
     (home / "bin" / "nvcc").unlink()
-    assert cuda_toolkit.find({"CUDA_HOME": str(home), "PATH": ""}, str(site)) is None
+    assert cuda.find({"CUDA_HOME": str(home), "PATH": ""}, str(site)) is None
 
 
 @pytest.mark.parametrize("header, version", [("12090", "12.9"), ("11080", "11.8")])
 def test_cuda_version_from_the_header(tmp_path, header, version):
     (tmp_path / "include").mkdir()
     (tmp_path / "include" / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION {header}\n")
-    assert cuda_toolkit.cuda_version(str(tmp_path)) == version
-    assert cuda_toolkit.cuda_version(str(tmp_path / "missing")) is None
+    assert cuda.cuda_version(str(tmp_path)) == version
+    assert cuda.cuda_version(str(tmp_path / "missing")) is None
 
 
 def test_setup_sh_leaves_the_build_to_kmp_install_horovod():
@@ -242,28 +242,28 @@ def test_setup_sh_leaves_the_build_to_kmp_install_horovod():
 def _no_real_install(monkeypatch, tmp_path, verify_result):
     monkeypatch.setenv("KMP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("KMP_DEVICE", raising=False)
-    monkeypatch.setattr(build_record, "up_to_date", lambda *a: None)
-    monkeypatch.setattr(build_record, "verify", lambda *a, **k: verify_result)
-    monkeypatch.setattr(build_record, "write", lambda *a: None)
+    monkeypatch.setattr(record, "up_to_date", lambda *a: None)
+    monkeypatch.setattr(record, "verify", lambda *a, **k: verify_result)
+    monkeypatch.setattr(record, "write", lambda *a: None)
     installed = []
-    monkeypatch.setattr(install_horovod, "install_wheel", lambda py, w: installed.append(w))
+    monkeypatch.setattr(build, "install_wheel", lambda py, w: installed.append(w))
     return installed
 
 
 def test_only_a_verified_build_is_cached(monkeypatch, tmp_path):
     installed = _no_real_install(monkeypatch, tmp_path, ([], {"library": None}))
 
-    def fake_build(plan, python, workdir, cuda):
+    def fake_build(plan, python, workdir, toolkit, log_file=None):
         wheel = workdir / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
         wheel.write_bytes(b"built")
         return wheel
 
-    monkeypatch.setattr(install_horovod, "build_wheel", fake_build)
+    monkeypatch.setattr(build, "build_wheel", fake_build)
     assert install_horovod.main([]) == 0
     cached = list((tmp_path / "cache" / "wheels").glob("*/horovod-*.whl"))
     assert len(installed) == 1 and [c.read_bytes() for c in cached] == [b"built"]
     # The same plan again (forced): the cached wheel is installed, nothing is compiled.
-    monkeypatch.setattr(install_horovod, "build_wheel", pytest.fail)
+    monkeypatch.setattr(build, "build_wheel", pytest.fail)
     assert install_horovod.main(["--force"]) == 0
     assert installed[-1] == cached[0]
 
@@ -271,12 +271,12 @@ def test_only_a_verified_build_is_cached(monkeypatch, tmp_path):
 def test_a_build_that_fails_verification_is_not_cached(monkeypatch, tmp_path, capsys):
     _no_real_install(monkeypatch, tmp_path, (["Horovod was built without MPI"], {}))
 
-    def fake_build(plan, python, workdir, cuda):
+    def fake_build(plan, python, workdir, toolkit, log_file=None):
         wheel = workdir / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
         wheel.write_bytes(b"bad")
         return wheel
 
-    monkeypatch.setattr(install_horovod, "build_wheel", fake_build)
+    monkeypatch.setattr(build, "build_wheel", fake_build)
     assert install_horovod.main([]) == 1
     assert "built without MPI" in capsys.readouterr().err
     assert not list((tmp_path / "cache").glob("wheels/*/*.whl"))
@@ -287,7 +287,7 @@ def test_a_cached_wheel_that_fails_verification_is_removed(monkeypatch, tmp_path
     stale = tmp_path / "stale" / "horovod-0.28.1-cp311-cp311-linux_x86_64.whl"
     stale.parent.mkdir()
     stale.write_bytes(b"old")
-    monkeypatch.setattr(install_horovod, "cached_wheel", lambda root, key: stale)
+    monkeypatch.setattr(build, "cached_wheel", lambda root, key: stale)
     assert install_horovod.main([]) == 1
     err = capsys.readouterr().err
     assert "ops do not load" in err and "was removed: run again to rebuild it" in err

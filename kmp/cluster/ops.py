@@ -1,8 +1,8 @@
 """What ``kmp cluster`` does to the machine: namespaces, veths, sshd, files, and undoing them.
 
-:func:`up` realises a :class:`~kmp.commands.cluster_plan.ClusterPlan` step by
+:func:`up` realises a :class:`~kmp.cluster.plan.ClusterPlan` step by
 step and records each step in the cluster's ``state.json``
-(:mod:`kmp.commands.cluster_state`) before taking the next, so :func:`down`
+(:mod:`kmp.cluster.state`) before taking the next, so :func:`down`
 removes exactly what was made, also after a failed ``up`` (which calls it
 itself) or a crash, and a second ``down`` is harmless. Nothing that was not
 recorded is touched, except leftovers that carry the cluster's own marker.
@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kmp.commands import cluster_plan as cp
-from kmp.commands import cluster_state as cs
-from kmp.commands._proc import run_forwarding_signals
-from kmp.commands.cluster_state import (
+from kmp.cluster import plan as cp
+from kmp.cluster import state as cs
+from kmp.cluster.state import (
     ClusterError,
     check_state_dir,
     host_argv,
@@ -36,6 +35,7 @@ from kmp.commands.cluster_state import (
     save_state,
     write_private,
 )
+from kmp.launching.processes import run_forwarding_signals
 
 __all__ = ["ClusterError", "down", "exec_on", "load", "running", "status", "up"]
 

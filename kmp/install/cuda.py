@@ -20,7 +20,7 @@ import sysconfig
 from collections.abc import Mapping
 from pathlib import Path
 
-from kmp.commands.install_plan import TENSORFLOW_CUDA_MAJOR
+from kmp.install.plan import TENSORFLOW_CUDA_MAJOR
 
 __all__ = [
     "CudaToolkit",

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kmp.commands import install_plan as ip
+from kmp.install import plan as ip
 
 __all__ = [
     "TENSORFLOW_DISTRIBUTIONS",

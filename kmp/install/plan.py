@@ -4,7 +4,7 @@
 and the user's choices into an :class:`InstallPlan`: which TensorFlow wheel,
 which Horovod build variables, whether MPI is built in, and which source fixes
 Horovod 0.28.1 needs against that TensorFlow. Nothing here touches the machine, so
-plans for described hardware are tested directly; :mod:`kmp.commands.install_horovod`
+plans for described hardware are tested directly; :mod:`kmp.install.build`
 acts on a plan and ``launch/setup.sh`` follows it.
 
 This module and :mod:`kmp.hardware` use the standard library only: set-up
@@ -92,7 +92,7 @@ class InstallPlan:
         mpi: Build MPI in (Gloo is always built).
         fixes: The source fixes to apply (keys of :data:`SOURCE_FIXES`).
         build_env: The fixed Horovod build variables (CUDA locations are added
-            when the build runs, by :mod:`kmp.commands.cuda_toolkit`).
+            when the build runs, by :mod:`kmp.install.cuda`).
         system_packages: Debian packages the plan relies on (informational).
     """
 

@@ -1,6 +1,6 @@
 """What ``kmp doctor`` warns about: pure checks of the facts it gathered.
 
-:func:`diagnose` reads the dict of :func:`kmp.commands.doctor.collect` and
+:func:`diagnose` reads the dict of :func:`kmp.install.doctor.collect` and
 returns one :class:`Finding` per problem, each with the command that fixes it.
 It decides from the facts alone, so every warning is tested with described
 machines (GPUs with a CPU-only TensorFlow, Horovod built against another
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kmp.commands.install_plan import TENSORFLOW_VERSION, tensorflow_requirement
+from kmp.install.plan import TENSORFLOW_VERSION, tensorflow_requirement
 
 __all__ = ["Finding", "diagnose"]
 

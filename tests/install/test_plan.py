@@ -1,7 +1,7 @@
 import pytest
 
-from kmp.commands import install_plan as ip
 from kmp.hardware import CPU, GPU, Hardware
+from kmp.install import plan as ip
 
 CPU_BOX = Hardware(cpu=CPU("AMD EPYC", 2))
 H200_BOX = Hardware(cpu=CPU("Intel Xeon", 16), gpus=(GPU("NVIDIA H200", (9, 0), 143771),) * 8)

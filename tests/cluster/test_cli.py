@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from kmp.cluster import ops
+from kmp.cluster import plan as cp
+from kmp.cluster import state as cs
 from kmp.commands import cluster as cli
-from kmp.commands import cluster_ops as ops
-from kmp.commands import cluster_plan as cp
-from kmp.commands import cluster_state as cs
 from tests.cluster._cluster_harness import (
     NAME,
     ROOT,

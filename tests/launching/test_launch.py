@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from kmp.commands import launch
-from kmp.commands.launch import Host, LaunchError, build_command, parse_hostfile, parse_hosts
+from kmp.launching import plan as lp
+from kmp.launching.hosts import Host, LaunchError, parse_hostfile, parse_hosts
+from kmp.launching.plan import build_command
 from tests._support import ROOT, requires_horovod
 
 HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
@@ -83,7 +85,7 @@ def test_malformed_hostfile_names_the_line(text, message):
 def test_policies_match_kmp_policy():
     from kmp.policy import VALID_POLICIES
 
-    assert launch.POLICIES == VALID_POLICIES
+    assert lp.POLICIES == VALID_POLICIES
 
 
 # ---------------------------------------------------------------- building

@@ -4,7 +4,7 @@ The JAX engine (:mod:`kmp.distributed._jax`) needs three things in every
 process: ``KERAS_BACKEND=jax``, the coordinator's ``host:port`` (process 0
 runs the coordinator service, on the first host) and the process's id.
 On this machine alone the processes are started by kmp's own launcher
-(:mod:`kmp.commands.local_run`, :func:`local_argv`), so no Horovod is needed.
+(:mod:`kmp.launching.local_run`, :func:`local_argv`), so no Horovod is needed.
 With other hosts, ``horovodrun`` starts one process per slot on every host,
 over ssh, with its rank in ``HOROVOD_RANK``: kmp reuses it as the process
 launcher, so ``-H``, ``--hostfile``, ssh options and ``kmp cluster`` hosts work
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from kmp._launcher_env import COORDINATOR_VAR, ENGINE_VAR
 from kmp._names import ENGINE_NAMES
-from kmp.commands.hosts import Host, LaunchError
+from kmp.launching.hosts import Host, LaunchError
 
 __all__ = [
     "LAUNCH_ENGINES",
@@ -140,7 +140,7 @@ def local_argv(
     local = _LOOPBACK | {socket.gethostname()}
     if engine != "jax" or not all(h.name in local for h in hosts):
         return None
-    return (python, "-m", "kmp.commands.local_run", "-np", str(np), "--", *command)
+    return (python, "-m", "kmp.launching.local_run", "-np", str(np), "--", *command)
 
 
 def configure_engine(parser: argparse.ArgumentParser) -> None:

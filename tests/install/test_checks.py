@@ -1,5 +1,5 @@
-from kmp.commands import doctor
-from kmp.commands.doctor_checks import diagnose
+from kmp.install import doctor
+from kmp.install.checks import diagnose
 
 H200 = {"name": "NVIDIA H200", "compute_capability": "9.0", "memory_mib": 143771}
 CPU_TF = {"distribution": "tensorflow-cpu", "version": "2.21.0", "cuda": False, "gpus": 0}

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kmp.commands import cluster_plan as cp
+from kmp._files import atomic_write_text
+from kmp.cluster import plan as cp
 
 __all__ = [
     "ClusterError",
@@ -95,17 +96,12 @@ def require_environment(*, need_tc: bool = False) -> None:
 
 
 def write_private(path: Path, text: str, mode: int = 0o600) -> None:
-    """Write ``path`` atomically (a new file, then rename), never through a symlink."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    """Write ``path`` atomically and durably with ``mode`` (private by default).
+
+    The new file is created afresh, never through a symlink, with ``mode`` from
+    the start (:func:`kmp._files.atomic_write_text`).
+    """
+    atomic_write_text(path, text, mode=mode)
 
 
 def pid_alive(pid: int | None) -> bool:

@@ -1,4 +1,4 @@
-"""kmp.commands.preflight and the multi-host options of kmp launch (pure parts, plus local runs)."""
+"""kmp.launching.preflight and kmp launch's multi-host options (pure parts, plus local runs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import sys
 import pytest
 
 from kmp.commands import launch
-from kmp.commands import preflight as pf
+from kmp.launching import plan as lp
+from kmp.launching import preflight as pf
+from kmp.launching.hosts import LaunchError, parse_hosts
 
 
 def test_nothing_to_check_for_a_one_machine_job():
@@ -86,8 +88,8 @@ def test_a_silent_host_times_out(monkeypatch):
 def test_identity_file_interface_and_mpi_channel(script, tmp_path):
     key = tmp_path / "id"
     key.write_text("key")
-    plan = launch.build_command(
-        4, script, hosts=launch.parse_hosts("h1:2,h2:2"), controller="mpi", ssh_port=2222,
+    plan = lp.build_command(
+        4, script, hosts=parse_hosts("h1:2,h2:2"), controller="mpi", ssh_port=2222,
         ssh_identity_file=key, network_interfaces="eth0", horovodrun="horovodrun",
         python="/venv/bin/python",
     )  # fmt: skip
@@ -100,9 +102,9 @@ def test_identity_file_interface_and_mpi_channel(script, tmp_path):
 
 
 def test_a_local_job_plans_no_checks(script):
-    plan = launch.build_command(2, script, horovodrun="horovodrun")
+    plan = lp.build_command(2, script, horovodrun="horovodrun")
     assert plan.checks == ()
-    gloo = launch.build_command(2, script, controller="gloo", horovodrun="horovodrun",
+    gloo = lp.build_command(2, script, controller="gloo", horovodrun="horovodrun",
                                 network_interfaces="eth0")  # fmt: skip
     assert not any(a.startswith("--mpi-args") for a in gloo.argv)
 
@@ -118,21 +120,21 @@ def test_a_local_job_plans_no_checks(script):
     ],
 )
 def test_bad_multi_host_options(script, kwargs, message):
-    with pytest.raises(launch.LaunchError, match=message):
-        launch.build_command(2, script, horovodrun="horovodrun", **kwargs)
+    with pytest.raises(LaunchError, match=message):
+        lp.build_command(2, script, horovodrun="horovodrun", **kwargs)
 
 
 def test_policy_names_are_normalised(script):
-    plan = launch.build_command(2, script, horovodrun="horovodrun", policy=" Mixed_BFloat16 ")
+    plan = lp.build_command(2, script, horovodrun="horovodrun", policy=" Mixed_BFloat16 ")
     assert plan.env["KMP_POLICY"] == "mixed_bfloat16"
 
 
 def test_failed_checks_start_nothing(script, capsys, monkeypatch):
-    plan = launch.build_command(2, script, horovodrun="/bin/false",
+    plan = lp.build_command(2, script, horovodrun="/bin/false",
                                 network_interfaces="nope0")  # fmt: skip
     ran = []
-    monkeypatch.setattr(launch, "run_forwarding_signals", lambda *a, **k: ran.append(a))
-    assert launch.execute(plan) == 2
+    monkeypatch.setattr(lp, "run_forwarding_signals", lambda *a, **k: ran.append(a))
+    assert lp.execute(plan) == 2
     assert ran == []
     assert "kmp launch: error: network interface 'nope0' does not exist on host 'localhost'" in (
         capsys.readouterr().err

@@ -2,7 +2,7 @@ import json
 import subprocess
 import sys
 
-from kmp.commands import doctor
+from kmp.install import doctor
 
 KEYS = {
     "kmp",

@@ -14,7 +14,7 @@ A cluster of N hosts on one Linux machine is, for each host ``hI``:
   ``ssh hI`` the cluster's key and known hosts, so nothing more is needed
   inside the cluster.
 
-Everything :func:`plan_cluster` returns is plain data; ``kmp.commands.cluster_ops``
+Everything :func:`plan_cluster` returns is plain data; ``kmp.cluster.ops``
 acts on it. Optional link shaping is ``tc``'s token bucket (``tbf``) on each
 ``eth0``; ``netem`` (delay, loss) is not assumed to exist.
 """

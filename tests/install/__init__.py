@@ -1,0 +1,1 @@
+"""kmp's tests: install (kmp install-horovod and kmp doctor)."""

@@ -1,0 +1,1 @@
+"""kmp's tests: launching (kmp launch's machinery)."""
