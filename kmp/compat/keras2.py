@@ -310,7 +310,8 @@ def wrap_optimizer(
     from kmp import distributed
 
     comp = _check_compression(full["compression"])
-    world = distributed.init()
+    distributed.engine()  # a launched job must have called kmp.distributed.init(): says so
+    world = distributed.world()
     hvd_keras = None
     if world.horovod:
         hvd_keras = optional_import("horovod.tensorflow.keras", feature="the tf-keras path")
@@ -363,7 +364,7 @@ def broadcast_callback(root_rank: int = 0) -> Any:
     """
     from kmp import distributed
 
-    if not distributed.init().horovod:
+    if distributed.engine().name != "horovod":  # refuses a launched job before init()
         return optional_import("tf_keras", feature="the tf-keras path").callbacks.Callback()
     hvd_keras = optional_import("horovod.tensorflow.keras", feature="the tf-keras path")
     return hvd_keras.callbacks.BroadcastGlobalVariablesCallback(root_rank)
