@@ -34,13 +34,8 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(config, items):
     """Put the modules of LONGEST_FIRST first, in its order; keep every other order."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    position = {id(item): i for i, item in enumerate(items)}
-
-    def key(item) -> tuple[int, int]:
-        path = item.nodeid.split("::", 1)[0]
-        return rank.get(path, len(rank)), position[id(item)]
-
-    items.sort(key=key)
+    # list.sort is stable: items of the same rank (all the others) keep their order.
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 @pytest.fixture

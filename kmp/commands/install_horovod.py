@@ -4,8 +4,8 @@ Horovod ships only as a source distribution, and it does not compile against
 TensorFlow >= 2.19 as released. This command builds it against the TensorFlow
 installed in the running Python environment, following the plan of
 :mod:`kmp.install.plan` (NCCL on NVIDIA GPUs, MPI when OpenMPI is present, the
-xla_mpi_ops.cc fix), then verifies the result with ``horovodrun --check-build``
-and a load of Horovod's TensorFlow ops. The build lives in
+xla_mpi_ops.cc fix), then verifies the result: Horovod's TensorFlow ops load with
+the planned flags and ``horovodrun --version`` runs. The build lives in
 :mod:`kmp.install.build`: a cached wheel (``~/.cache/kmp``, ``KMP_CACHE_DIR``) is
 reused, and a compile reports its progress every 30 s and keeps its full log.
 Run again with nothing changed, the command only checks the installed build.

@@ -5,8 +5,8 @@ TensorFlow >= 2.19 as released. :func:`install` follows a plan of
 :mod:`kmp.install.plan` (NCCL on NVIDIA GPUs, MPI when OpenMPI is present, the
 source fixes): it reuses a cached wheel or downloads, fixes and compiles the
 source (:func:`build_wheel`), installs the wheel and verifies it
-(:func:`kmp.install.record.verify`: ``horovodrun --check-build`` and a load of
-Horovod's TensorFlow ops), then records the build.
+(:func:`kmp.install.record.verify`: a load of Horovod's TensorFlow ops, their
+build flags, and ``horovodrun --version``), then records the build.
 
 The built wheel is cached under ``$KMP_CACHE_DIR`` (default ``~/.cache/kmp``),
 keyed by Horovod, TensorFlow, Python and the build variables (:func:`wheel_key`),
@@ -251,7 +251,7 @@ def format_plan(
         else "CUDA toolkit        not used (CPU build)",
         f"wheel cache         {wheel if wheel else 'no cached wheel; it will be compiled'}",
         f"cache key           {key}",
-        "verify              horovodrun --check-build; import horovod.tensorflow.mpi_ops",
+        "verify              import horovod.tensorflow.mpi_ops (its flags); horovodrun --version",
     ]
     for warning in cuda.warnings(toolkit) if toolkit is not None else []:
         lines.append(f"note: {warning}")

@@ -35,7 +35,6 @@ __all__ = [
     "choose_device",
     "device_override",
     "fix_source",
-    "parse_check_build",
     "patch_cmakelists",
     "patch_gpu_stream",
     "plan_install",
@@ -338,16 +337,3 @@ def cache_key(
     }
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     return f"horovod-{plan.horovod}-{python_tag}-{digest}"
-
-
-_CHECK_LINE = re.compile(r"^\s*\[(?P<mark>[ Xx])\]\s*(?P<name>.+?)\s*$")
-
-
-def parse_check_build(text: str) -> dict[str, bool]:
-    """Parse ``horovodrun --check-build`` output: ``{"TensorFlow": True, "NCCL": False, ...}``."""
-    found = {}
-    for line in text.splitlines():
-        match = _CHECK_LINE.match(line)
-        if match:
-            found[match.group("name")] = match.group("mark") in "Xx"
-    return found

@@ -6,25 +6,6 @@ from kmp.install import plan as ip
 CPU_BOX = Hardware(cpu=CPU("AMD EPYC", 2))
 H200_BOX = Hardware(cpu=CPU("Intel Xeon", 16), gpus=(GPU("NVIDIA H200", (9, 0), 143771),) * 8)
 
-CHECK_BUILD = """Horovod v0.28.1:
-
-Available Frameworks:
-    [X] TensorFlow
-    [ ] PyTorch
-    [ ] MXNet
-
-Available Controllers:
-    [X] MPI
-    [X] Gloo
-
-Available Tensor Operations:
-    [X] NCCL
-    [ ] DDL
-    [ ] CCL
-    [X] MPI
-    [X] Gloo
-"""
-
 
 def test_cpu_machine_gets_tensorflow_cpu_and_no_gpu_collectives():
     plan = ip.plan_install(CPU_BOX, mpi_available=False)
@@ -158,10 +139,3 @@ def test_cache_key_changes_with_everything_that_changes_the_build():
         ip.cache_key(ip.plan_install(H200_BOX), **base, cuda_version="12.9"),
     }
     assert key not in others and len(others) == 6
-
-
-def test_parse_check_build():
-    found = ip.parse_check_build(CHECK_BUILD)
-    assert found["TensorFlow"] and not found["PyTorch"] and found["NCCL"] and found["Gloo"]
-    assert found["MPI"] and not found["DDL"]
-    assert ip.parse_check_build("nothing here") == {}
