@@ -9,11 +9,9 @@
 #      worker, so a module's fixtures (a 2-rank job, a built model) run once;
 #   2. the multi-host tests (marker `cluster`) alone, serially: they bring up one cluster of
 #      network namespaces at a time. They use 0.8 of a core on average, but run beside
-#      phase 1 (one run, measured) they made it 10 minutes longer, 35 min instead of 25:
+#      phase 1 (one clean-clone run) they made it 10 minutes longer, 35 min instead of 25:
 #      their ranks and phase 1's run in lockstep, each waiting for its slowest on crowded
 #      cores.
-# Each test process computes with one TensorFlow thread (TF_NUM_INTRAOP_THREADS=1 unless
-# set): the workers already fill the cores, and more threads only contend for them.
 # The run fails if either phase fails.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,7 +29,6 @@ case "$WORKERS" in
     exit 2
     ;;
 esac
-export TF_NUM_INTRAOP_THREADS="${TF_NUM_INTRAOP_THREADS:-1}"
 status=0
 status2=0
 echo "[test] phase 1 of 2: all but the multi-host tests, $WORKERS workers"
