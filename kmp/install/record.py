@@ -139,7 +139,7 @@ def verify(
 
     It loads the TensorFlow ops in a child process and reads the flags they were
     built with (Gloo, MPI, NCCL: what ``horovodrun --check-build`` reports, read
-    once, where that command imports TensorFlow six times, 45 s here); with
+    once, where that command imports TensorFlow six times: 48 s measured); with
     ``check_launcher``, ``horovodrun --version`` must run and name the planned
     version.
 
@@ -166,7 +166,10 @@ def verify(
                 "horovodrun --version did not run: reinstall with kmp install-horovod --force"
             )
         elif shown != plan.horovod:
-            bad.append(f"horovodrun --version shows {shown!r}, not {plan.horovod}")
+            bad.append(
+                f"horovodrun --version shows {shown!r}, not {plan.horovod}: reinstall with "
+                "kmp install-horovod --force"
+            )
     return bad, facts
 
 
