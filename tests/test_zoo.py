@@ -82,6 +82,7 @@ def test_zoo_model_trains_with_float32_outputs(name, build, make_batch, policy):
 
 
 @needs_hub
+@pytest.mark.distributed
 @requires_horovod
 def test_keras_hub_lm_on_two_ranks_ends_identical_under_every_policy():
     policies = ["float32", "mixed_bfloat16", "mixed_float16"]
