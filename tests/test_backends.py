@@ -22,6 +22,7 @@ CORE_TESTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("KERAS_BACKEND", "tensorflow") == "jax", reason="already on the JAX backend"
 )

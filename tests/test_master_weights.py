@@ -352,6 +352,7 @@ def _check_ranks(ranks: list[dict], engine: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @requires_horovod
 def test_two_horovod_ranks_end_bit_identical_in_every_mode(tmp_path):
     ranks = run_workers("worker_master_weights.py", out_dir=tmp_path, timeout=300)

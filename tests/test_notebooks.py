@@ -157,7 +157,13 @@ def _check_executed(name: str, nb) -> None:
 
 @pytest.mark.notebook
 @pytest.mark.parametrize(
-    "name", ["01_quickstart", "02_loss_scaling", "04_migrating", "05_transformers"]
+    "name",
+    [
+        pytest.param("01_quickstart", marks=pytest.mark.slow),
+        "02_loss_scaling",
+        "04_migrating",
+        pytest.param("05_transformers", marks=pytest.mark.slow),
+    ],
 )
 def test_notebook_runs(name, tmp_path):
     _check_executed(name, _execute(name, tmp_path))
@@ -165,6 +171,7 @@ def test_notebook_runs(name, tmp_path):
 
 @pytest.mark.notebook
 @pytest.mark.distributed
+@pytest.mark.slow
 @requires_horovod
 def test_distributed_notebook_runs(tmp_path):
     nb = _execute("03_distributed_horovod", tmp_path)

@@ -27,7 +27,9 @@ needs_hub = pytest.mark.skipif(
 )
 
 CASES = [pytest.param(name, *HUB[name], marks=needs_hub, id=name) for name in HUB] + [
-    pytest.param(name, *APPLICATIONS[name], id=name) for name in APPLICATIONS
+    # keras.applications models: 35-100 s each (graph tracing of a full-size network)
+    pytest.param(name, *APPLICATIONS[name], marks=pytest.mark.slow, id=name)
+    for name in APPLICATIONS
 ]
 
 
@@ -83,6 +85,7 @@ def test_zoo_model_trains_with_float32_outputs(name, build, make_batch, policy):
 
 @needs_hub
 @pytest.mark.distributed
+@pytest.mark.slow
 @requires_horovod
 def test_keras_hub_lm_on_two_ranks_ends_identical_under_every_policy():
     policies = ["float32", "mixed_bfloat16", "mixed_float16"]

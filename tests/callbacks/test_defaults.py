@@ -98,6 +98,7 @@ def test_get_config_round_trips(tmp_path):
 
 @requires_horovod
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_callbacks_across_two_processes(tmp_path):
     """One horovodrun job: broadcast, metric averaging, warm-up, monitor, chief-only writing."""
     results = run_workers("worker_cb_all.py", out_dir=tmp_path, timeout=240)

@@ -85,6 +85,7 @@ def test_payload_bytes_halves_with_compression():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @requires_horovod
 def test_collectives_on_two_real_ranks():
     r0, r1 = run_workers("worker_dist_collectives.py")
