@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         result = train_policy(args.child, args)
-        args.child_out.write_text(json.dumps(result))
+        # The device's facts come from a child too: the parent never imports Keras or JAX.
+        args.child_out.write_text(json.dumps({**result, "device": device_facts()}))
         return 0
     sys.path.insert(0, str(HERE))
     from _common import machine
@@ -251,11 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies:
         print(f"--- {policy}", flush=True)
         figures[policy] = run_child(policy, args)
+        device = figures[policy].pop("device")
         print(json.dumps(figures[policy]), flush=True)
     summary, md = report(figures, args)
     payload = {
         "machine": machine(),
-        "device": device_facts(),
+        "device": device,
         "model": "resnet50",
         "image_size": args.image_size,
         "batch": args.batch,

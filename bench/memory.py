@@ -207,6 +207,20 @@ def _measure_in_child(policy: str, argv: list[str]) -> dict:
             return json.load(f)
 
 
+def _write_child_figures(path: str, figures: dict) -> None:
+    """The child's figures and its Keras backend (the parent never imports Keras)."""
+    import keras
+
+    with open(path, "w") as f:
+        json.dump({**figures, "backend": keras.backend.backend()}, f)
+
+
+def _backend_of(figures: dict) -> str:
+    """The backend the children reported, taken out of their figures."""
+    (backend,) = {fig.pop("backend") for fig in figures.values()}
+    return backend
+
+
 def _mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.2f}"
 
@@ -245,15 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
 
     if args.child_out:  # one policy, in this fresh process
-        figures = measure_policy(policies[0], args)
-        with open(args.child_out, "w") as f:
-            json.dump(figures, f)
+        _write_child_figures(args.child_out, measure_policy(policies[0], args))
         return 0
-
-    import keras
 
     figures = {p: _measure_in_child(p, argv if argv is not None else sys.argv[1:])
                for p in policies}  # fmt: skip
+    backend = _backend_of(figures)
     base = figures["float32"]
     for fig in figures.values():
         for key in ("activation", "retained", "step"):
@@ -261,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             fig[f"{key}_vs_float32"] = round(value / ref, 4) if value is not None and ref else None
     results = {
         "machine": machine(),
-        "backend": keras.backend.backend(),
+        "backend": backend,
         "model": args.model,
         "image_size": models.image_side(args.model, args.image_size),
         "batch": args.batch,
@@ -315,17 +326,15 @@ def states_main(args: argparse.Namespace, argv: list[str]) -> int:
     """``--states``: every configuration of :mod:`_states` in a child process of its own."""
     if args.child_out:
         figures = _states.measure(args.policies, args.quick, args.steps, _tf_memory())
-        with open(args.child_out, "w") as f:
-            json.dump(figures, f)
+        _write_child_figures(args.child_out, figures)
         return 0
-    import keras
-
     figures = {c: _measure_in_child(c, argv) for c in _states.CONFIGS}
+    backend = _backend_of(figures)
     checks = _states.targets(figures)
     md = _states.markdown(figures, checks, args.quick)
     results = {
         "machine": machine(),
-        "backend": keras.backend.backend(),
+        "backend": backend,
         "quick": args.quick,
         "configs": figures,
         "targets": checks,

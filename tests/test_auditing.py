@@ -552,6 +552,7 @@ def _zoo():
     return _zoo
 
 
+@pytest.mark.backend_agnostic  # KerasHub on JAX: test_probing's KerasHub test
 def test_keras_hub_gpt2_causal_lm():
     kmp.enable("mixed_float16", hardware=GPU_HW)
     model = _zoo().gpt2_causal_lm()
@@ -577,6 +578,7 @@ def test_keras_hub_gpt2_causal_lm():
     assert after.ok and "float32-head-matmul" not in after.codes()
 
 
+@pytest.mark.backend_agnostic  # KerasHub on JAX: test_probing's KerasHub test
 def test_keras_hub_gemma_rms_norm_is_measured_not_flagged():
     kmp.enable("mixed_float16", hardware=GPU_HW)
     model = _zoo().gemma_causal_lm()
@@ -590,6 +592,7 @@ def test_keras_hub_gemma_rms_norm_is_measured_not_flagged():
     assert "policy-mismatch" not in report.codes()  # the float32 softmax is by design
 
 
+@pytest.mark.backend_agnostic  # KerasHub on JAX: test_probing's KerasHub test
 def test_keras_hub_bert_text_classifier():
     kmp.enable("mixed_bfloat16", hardware=GPU_HW)
     model = _zoo().bert_text_classifier()

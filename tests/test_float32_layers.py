@@ -200,6 +200,7 @@ def test_keep_float32_in_a_subclassed_model():
     assert keras.backend.standardize_dtype(net(x).dtype) == "float32"
 
 
+@pytest.mark.backend_agnostic  # KerasHub on JAX: test_probing's KerasHub test
 def test_keep_float32_in_a_keras_hub_model():
     pytest.importorskip("keras_hub", reason="KerasHub models need keras-hub installed")
     from tests import _zoo
