@@ -5,10 +5,20 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def horovod_launcher(python: str | None = None) -> list[str]:
+    """How a benchmark starts Horovod's launcher: as ``kmp launch`` does.
+
+    ``python -m kmp.launching.horovodrun`` is horovodrun without its start-up probe (a
+    TensorFlow import, about 7 s per job): the probe is not part of any figure measured.
+    """
+    return [python or sys.executable, "-m", "kmp.launching.horovodrun"]
 
 
 def machine() -> dict:

@@ -254,10 +254,9 @@ def combine_idle(dual: dict[str, list[list[dict]]]) -> dict[str, float]:
 
 
 def launch(args: argparse.Namespace) -> int:
-    from _common import machine, markdown_table, write_results
+    from _common import horovod_launcher, machine, markdown_table, write_results
 
     py = sys.executable
-    horovodrun = str(Path(py).with_name("horovodrun"))
     threads = str(args.threads)
     base = {
         **{k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")},
@@ -288,7 +287,7 @@ def launch(args: argparse.Namespace) -> int:
         pair.append([_read(o, 1)[0] for o in outs])
         for name, extra in settings.items():
             out = tmp / f"{name}{r}"
-            cmd = [horovodrun, "--gloo", "-np", "2", "-H", "localhost:2", py,
+            cmd = [*horovod_launcher(py), "--gloo", "-np", "2", "-H", "localhost:2", py,
                    *_child_args(args, "worker", out)]  # fmt: skip
             _run(cmd, {**base, **extra})
             dual[name].append(_read(out, 2))

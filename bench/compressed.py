@@ -89,7 +89,9 @@ def run(args: argparse.Namespace) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "KMP_POLICY"))}
     env.update(PYTHONPATH=f"{ROOT}:{HERE}", TF_CPP_MIN_LOG_LEVEL="3", OMP_NUM_THREADS="1")
     out = Path(tempfile.mkdtemp(prefix="kmp-compressed-")) / "result.json"
-    hvdrun = str(Path(sys.executable).with_name("horovodrun"))
+    from _common import horovod_launcher
+
+    hvdrun = horovod_launcher()
     worker_argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
                    "--rounds", str(args.rounds)]  # fmt: skip
     kmp = [sys.executable, "-m", "kmp.cli", "cluster"]
@@ -98,10 +100,10 @@ def run(args: argparse.Namespace) -> dict:
         up = [*kmp, "up", "--name", "kmpbench", "--hosts", str(args.np), "--rate", args.rate]
         subprocess.run(up, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
         hosts = ",".join(f"h{i}:1" for i in range(1, args.np + 1))
-        cmd = [*kmp, "exec", "--name", "kmpbench", "h1", "--", hvdrun, "--gloo", "-np",
+        cmd = [*kmp, "exec", "--name", "kmpbench", "h1", "--", *hvdrun, "--gloo", "-np",
                str(args.np), "-H", hosts, "--network-interface", "eth0", *worker_argv]  # fmt: skip
     else:
-        cmd = [hvdrun, "--gloo", "-np", str(args.np), "-H", f"localhost:{args.np}", *worker_argv]
+        cmd = [*hvdrun, "--gloo", "-np", str(args.np), "-H", f"localhost:{args.np}", *worker_argv]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0 or not out.exists():

@@ -45,8 +45,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from _common import horovod_launcher  # noqa: E402  (bench/ is on the path from here on)
+
 PY = sys.executable
-HOROVODRUN = str(Path(PY).with_name("horovodrun"))
 CLUSTER = "kmpbench"
 MWMS_PORT = 23456
 TARGETS = {"vs_limit": 0.95, "vs_peer": 1.0, "fp16_1gbit": 1.6, "overlap_1gbit": 1.2}
@@ -155,7 +156,7 @@ def job(
         argv = argv[1:]
         cmd = [PY, "-m", "kmp.cli", "launch", "--engine", "jax", "-np", str(np_), "-H", hosts]
     else:
-        cmd = [HOROVODRUN, "--gloo", "-np", str(np_), "-H", hosts]
+        cmd = [*horovod_launcher(PY), "--gloo", "-np", str(np_), "-H", hosts]
     cmd += ["--network-interface", nic] if nic else []
     cmd = [*(via or []), *cmd, *argv]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)

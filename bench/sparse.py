@@ -181,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         TF_CPP_MIN_LOG_LEVEL="2",
         OMP_NUM_THREADS="1",
     )
-    horovodrun = str(Path(sys.executable).with_name("horovodrun"))
-    cmd = [horovodrun, "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, __file__]
+    from _common import horovod_launcher
+
+    cmd = [*horovod_launcher(), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, __file__]
     cmd += [*(argv if argv is not None else sys.argv[1:]), "--worker", str(out)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER = "kmp.launching.horovodrun"  # run_workers' default way into Horovod's launcher
 WORKERS = Path(__file__).resolve().parent / "distributed"
 
 
@@ -95,10 +96,14 @@ def run_workers(
     timeout: float = 300,
     out_dir: Path | None = None,
     engine: str = "horovod",
+    launcher: str = "kmp",
 ) -> list[dict]:
     """Run ``script`` on ``np`` real processes: ``horovodrun --gloo``, or with
     ``engine="jax"`` ``kmp launch --engine jax`` (the JAX engine; no KERAS_BACKEND is
     passed on, the launcher sets it).
+
+    ``launcher``: ``"kmp"`` (``python -m kmp.launching.horovodrun``, as ``kmp launch``
+    runs it) or ``"horovodrun"`` (the command itself, with its start-up probe).
 
     Each worker is expected to write ``$KMP_TEST_OUT/rank{R}.json``; the parsed
     files are returned in rank order. A failing job raises with its output.
@@ -122,7 +127,10 @@ def run_workers(
         full_env.pop("KERAS_BACKEND", None)
         cmd = [sys.executable, "-m", "kmp.cli", "launch", "--engine", "jax", "-np", str(np)]
     else:
-        cmd = [horovodrun_path(), "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
+        # kmp launch's way into Horovod's launcher (kmp.launching.horovodrun: no 7-second
+        # start-up probe), or the horovodrun command itself (launcher="horovodrun").
+        head = [horovodrun_path()] if launcher == "horovodrun" else [sys.executable, "-m", LAUNCHER]
+        cmd = [*head, "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
         cmd.append(sys.executable)
     cmd += [str(script), *args]
     proc = subprocess.run(

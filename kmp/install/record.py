@@ -25,8 +25,10 @@ from pathlib import Path
 from kmp.install import plan as ip
 
 __all__ = [
+    "CONTROLLER_FLAGS",
     "TENSORFLOW_DISTRIBUTIONS",
     "PythonFacts",
+    "built_flags",
     "installed_tensorflow",
     "is_current",
     "load_facts",
@@ -40,6 +42,8 @@ __all__ = [
 
 # Distributions that provide the `tensorflow` package, in the order they are looked for.
 TENSORFLOW_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly")
+# What a build record says the library was built with (load_facts's keys of the same names).
+CONTROLLER_FLAGS = ("gloo", "mpi", "nccl")
 
 _LOAD_CODE = r"""
 import json, os, sysconfig
@@ -186,6 +190,9 @@ def write(key: str, plan: ip.InstallPlan, facts: PythonFacts, loaded: dict) -> P
         "tensorflow": facts.tensorflow,
         "plan": plan.summary(),
         "library": loaded.get("library"),
+        # The controllers the verified library was built with: what horovodrun asks (and
+        # kmp.launching.horovodrun answers from here, without importing TensorFlow).
+        "built": {flag: bool(loaded.get(flag)) for flag in CONTROLLER_FLAGS},
     }
     path = record_path(facts.prefix)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -199,6 +206,21 @@ def read(prefix: str | None = None) -> dict | None:
         return json.loads(record_path(prefix).read_text())
     except (OSError, ValueError):
         return None
+
+
+def built_flags(prefix: str | None = None) -> dict[str, bool] | None:
+    """What the installed Horovod was built with (``gloo``, ``mpi``, ``nccl``), from its record.
+
+    None when there is no record, it describes another library (not :func:`is_current`),
+    or it predates these flags: then only loading Horovod can tell.
+    """
+    rec = read(prefix)
+    built = (rec or {}).get("built")
+    if not is_current(rec) or not isinstance(built, dict):
+        return None
+    if set(built) != set(CONTROLLER_FLAGS) or not all(isinstance(v, bool) for v in built.values()):
+        return None
+    return dict(built)
 
 
 def is_current(record: dict | None) -> bool:

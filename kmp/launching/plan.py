@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kmp._launcher_env import LOCAL_RUN_VARS
 from kmp._names import VALID_POLICIES, normalize_policy
+from kmp.launching import horovodrun as horovodrun_entry
 from kmp.launching import preflight
 from kmp.launching.elastic import ElasticOptions, check_discovery, elastic_args
 from kmp.launching.engines import engine_env, local_argv
@@ -108,11 +109,15 @@ def forwarded_env(environ: Mapping[str, str], policy: str | None = None) -> dict
     return dict(sorted(env.items()))
 
 
-def _default_horovodrun() -> str:
-    sibling = Path(sys.executable).with_name("horovodrun")
-    if sibling.exists():
-        return str(sibling)
-    return shutil.which("horovodrun") or "horovodrun"
+def _default_launcher() -> list[str]:
+    """The command that starts Horovod's launcher.
+
+    Through :mod:`kmp.launching.horovodrun` where Horovod is installed beside this Python
+    (it skips horovodrun's 7-second start-up probe), else ``horovodrun`` on PATH.
+    """
+    if Path(sys.executable).with_name("horovodrun").exists():
+        return [sys.executable, "-m", horovodrun_entry.MODULE]
+    return [shutil.which("horovodrun") or "horovodrun"]
 
 
 def build_command(
@@ -149,7 +154,9 @@ def build_command(
         network_interfaces: Comma-separated interfaces for ``horovodrun`` (each must
             exist on every host: checked before the job starts).
         python: Interpreter for the script; this one (``sys.executable``) when None.
-        horovodrun: Path of ``horovodrun``; the one next to ``python`` or on PATH when None.
+        horovodrun: Path of ``horovodrun``. None: Horovod's launcher through
+            :mod:`kmp.launching.horovodrun` (no start-up probe) when Horovod is installed
+            beside ``sys.executable``, else ``horovodrun`` on PATH.
         environ: Environment to take ``KMP_*`` variables from; ``os.environ`` when None.
         elastic: Run an elastic job (:mod:`kmp.launching.elastic`); its
             hosts come from host discovery, so ``hosts`` must be None, and
@@ -221,7 +228,7 @@ def build_command(
     for nic in nics:
         if not HOST_RE.match(nic) or len(nic) > 15:
             raise LaunchError(f"--network-interface {nic!r} is not an interface name (e.g. eth0).")
-    argv = [horovodrun or _default_horovodrun(), "-np", str(np)]
+    argv = [*([horovodrun] if horovodrun else _default_launcher()), "-np", str(np)]
     if elastic is None:
         argv += ["-H", ",".join(str(h) for h in hosts)]
     argv += [*extra, f"--{controller or 'gloo'}"]

@@ -137,6 +137,25 @@ def test_the_build_record_follows_the_installed_library(tmp_path):
     assert not record.is_current(None)
 
 
+def test_the_record_says_what_the_current_library_was_built_with(tmp_path):
+    lib = tmp_path / "mpi_lib.so"
+    lib.write_bytes(b"x" * 10)
+    st = lib.stat()
+    loaded = {"library": {"path": str(lib), "size": st.st_size, "mtime_ns": st.st_mtime_ns},
+              "gloo": True, "mpi": False, "nccl": False}  # fmt: skip
+    facts = _facts(prefix=str(tmp_path))
+    assert record.built_flags(str(tmp_path)) is None  # no record yet: only loading can tell
+    path = record.write("key-1", ip.plan_install(Hardware()), facts, loaded)
+    assert record.built_flags(str(tmp_path)) == {"gloo": True, "mpi": False, "nccl": False}
+    old = json.loads(path.read_text())
+    del old["built"]  # a record written before the flags were recorded
+    path.write_text(json.dumps(old))
+    assert record.built_flags(str(tmp_path)) is None
+    record.write("key-1", ip.plan_install(Hardware()), facts, loaded)
+    lib.write_bytes(b"y" * 11)  # another build replaced the library: the flags are not its
+    assert record.built_flags(str(tmp_path)) is None
+
+
 def test_a_record_under_another_key_means_a_rebuild(tmp_path):
     facts = record.python_facts()
     plan = ip.plan_install(Hardware(), mpi_available=bool(facts.mpicxx))

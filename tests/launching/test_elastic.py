@@ -18,7 +18,7 @@ from kmp.launching.elastic import ElasticOptions, check_discovery, elastic_args
 from kmp.launching.hosts import Host, LaunchError, parse_discovery_output
 from tests._support import ROOT, requires_horovod
 
-HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
+LAUNCHER = [sys.executable, "-m", "kmp.launching.horovodrun"]  # kmp launch's horovodrun
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_hostfile_mode_uses_kmps_discovery_of_the_file(capsys, script, hostfile)
                   str(hostfile), "--network-interface", "eth0", "--elastic-timeout", "30",
                   "--blacklist-cooldown-range", "5", "10", str(script),
                   "--epochs", "2")  # fmt: skip
-    assert cmd[:3] == [HOROVODRUN, "-np", "3"]  # the file's 4 slots, capped at --max-np
+    assert cmd[:5] == [*LAUNCHER, "-np", "3"]  # the file's 4 slots, capped at --max-np
     assert (value(cmd, "--min-np"), value(cmd, "--max-np")) == ("2", "3")
     assert shlex.split(value(cmd, "--host-discovery-script")) == [
         sys.executable, "-m", "kmp.launching.discover", str(hostfile.resolve())]  # fmt: skip

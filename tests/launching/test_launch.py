@@ -7,7 +7,6 @@ import os
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,8 @@ from kmp.launching.hosts import Host, LaunchError, parse_hostfile, parse_hosts
 from kmp.launching.plan import build_command
 from tests._support import ROOT, requires_horovod
 
-HOROVODRUN = str(Path(sys.executable).with_name("horovodrun"))
+# How kmp launch starts Horovod's launcher here (kmp.launching.horovodrun: no start-up probe).
+LAUNCHER = [sys.executable, "-m", "kmp.launching.horovodrun"]
 
 
 @pytest.fixture(autouse=True)
@@ -147,7 +147,7 @@ def test_missing_script(tmp_path):
 
 def test_dry_run_defaults(capsys, script):
     assert dry_run(capsys, "-np", "4", str(script)) == [
-        HOROVODRUN,
+        *LAUNCHER,
         "-np",
         "4",
         "-H",
@@ -160,25 +160,25 @@ def test_dry_run_defaults(capsys, script):
 
 def test_dry_run_hosts(capsys, script):
     cmd = dry_run(capsys, "-np", "6", "-H", "n1:4,n2:2", str(script))
-    assert cmd[3:5] == ["-H", "n1:4,n2:2"]
+    assert cmd[5:7] == ["-H", "n1:4,n2:2"]
 
 
 def test_dry_run_hostfile(capsys, script, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("n1 slots=2\nn2 slots=2\n")
     cmd = dry_run(capsys, "-np", "4", "--hostfile", str(hostfile), str(script))
-    assert cmd[3:5] == ["-H", "n1:2,n2:2"]
+    assert cmd[5:7] == ["-H", "n1:2,n2:2"]
 
 
 @pytest.mark.parametrize("flag", ["--gloo", "--mpi"])
 def test_dry_run_controller(capsys, script, flag):
     cmd = dry_run(capsys, "-np", "2", flag, str(script))
-    assert cmd[5] == flag and cmd.count(flag) == 1
+    assert cmd[7] == flag and cmd.count(flag) == 1
 
 
 def test_dry_run_policy_sets_kmp_policy(capsys, script):
     cmd = dry_run(capsys, "-np", "2", "--policy", "mixed_bfloat16", str(script))
-    assert cmd[0] == "KMP_POLICY=mixed_bfloat16" and cmd[1] == HOROVODRUN
+    assert cmd[0] == "KMP_POLICY=mixed_bfloat16" and cmd[1:4] == LAUNCHER
 
 
 def test_dry_run_shows_forwarded_kmp_env(capsys, script, monkeypatch):
@@ -189,13 +189,13 @@ def test_dry_run_shows_forwarded_kmp_env(capsys, script, monkeypatch):
 
 def test_dry_run_ssh_port_and_interfaces(capsys, script):
     cmd = dry_run(capsys, "-np", "2", "-p", "2222", "--network-interfaces", "eth0", str(script))
-    assert cmd[5:10] == ["--gloo", "-p", "2222", "--network-interfaces", "eth0"]
+    assert cmd[7:12] == ["--gloo", "-p", "2222", "--network-interfaces", "eth0"]
 
 
 def test_dry_run_script_arguments_pass_through(capsys, script):
     cmd = dry_run(capsys, "-np", "2", str(script), "--epochs", "3", "-np", "9", "--dry-run")
     assert cmd[-5:] == ["--epochs", "3", "-np", "9", "--dry-run"]
-    assert cmd[:3] == [HOROVODRUN, "-np", "2"]
+    assert cmd[:5] == [*LAUNCHER, "-np", "2"]
 
 
 def test_dry_run_single_process(capsys, script):
@@ -207,7 +207,7 @@ def test_dry_run_single_process(capsys, script):
 
 def test_np_defaults_to_the_slots_of_the_hosts(capsys, script):
     cmd = dry_run(capsys, "-H", "a:2,b:3", str(script))
-    assert cmd[1:5] == ["-np", "5", "-H", "a:2,b:3"]
+    assert cmd[3:7] == ["-np", "5", "-H", "a:2,b:3"]
     assert "give -np N" in error(capsys, str(script))
 
 
@@ -235,7 +235,7 @@ def test_kmp_cli_dry_run_subprocess(script):
         env={k: v for k, v in os.environ.items() if not k.startswith("KMP_")},
     )  # fmt: skip
     assert shlex.split(out.stdout) == [
-        HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script),
+        *LAUNCHER, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script),
     ]  # fmt: skip
 
 
@@ -308,7 +308,7 @@ def test_local_sh(script):
                           env={"KMP_POLICY": "float32"})  # fmt: skip
     assert cmd[0] == "KMP_POLICY=float32"
     assert cmd[1:] == [
-        HOROVODRUN, "-np", "3", "-H", "localhost:3", "--gloo", sys.executable, str(script),
+        *LAUNCHER, "-np", "3", "-H", "localhost:3", "--gloo", sys.executable, str(script),
         "--epochs", "2",
     ]  # fmt: skip
 
@@ -322,9 +322,9 @@ def test_hostfile_sh_runs_one_process_per_slot(script, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# two nodes\nnode1 slots=2\nnode2:3\n")
     cmd = _script_dry_run("hostfile.sh", str(hostfile), str(script))
-    assert cmd[:6] == [HOROVODRUN, "-np", "5", "-H", "node1:2,node2:3", "--gloo"]
+    assert cmd[:8] == [*LAUNCHER, "-np", "5", "-H", "node1:2,node2:3", "--gloo"]
     cmd = _script_dry_run("hostfile.sh", str(hostfile), str(script), env={"KMP_NP": "4"})
-    assert cmd[1:3] == ["-np", "4"]
+    assert cmd[3:5] == ["-np", "4"]
 
 
 def test_hostfile_sh_reports_a_malformed_line(script, tmp_path):
@@ -352,7 +352,7 @@ def test_slurm_sbatch_builds_a_hostfile_from_the_allocation(script, tmp_path):
         "SLURM_SUBMIT_DIR": str(ROOT),
     }
     cmd = _script_dry_run("slurm.sbatch", str(script), "--epochs", "1", env=env)
-    assert cmd[:6] == [HOROVODRUN, "-np", "8", "-H", "gpu01:4,gpu02:4", "--gloo"]
+    assert cmd[:8] == [*LAUNCHER, "-np", "8", "-H", "gpu01:4,gpu02:4", "--gloo"]
     assert cmd[-3:] == [str(script), "--epochs", "1"]
 
 
