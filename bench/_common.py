@@ -18,7 +18,9 @@ def horovod_launcher(python: str | None = None) -> list[str]:
     ``python -m kmp.launching.horovodrun`` is horovodrun without its start-up probe (a
     TensorFlow import, about 7 s per job): the probe is not part of any figure measured.
     """
-    return [python or sys.executable, "-m", "kmp.launching.horovodrun"]
+    from kmp.launching.horovodrun import MODULE
+
+    return [python or sys.executable, "-m", MODULE]
 
 
 def machine() -> dict:

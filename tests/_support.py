@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCHER = "kmp.launching.horovodrun"  # run_workers' default way into Horovod's launcher
 WORKERS = Path(__file__).resolve().parent / "distributed"
 
 
@@ -129,7 +128,9 @@ def run_workers(
     else:
         # kmp launch's way into Horovod's launcher (kmp.launching.horovodrun: no 7-second
         # start-up probe), or the horovodrun command itself (launcher="horovodrun").
-        head = [horovodrun_path()] if launcher == "horovodrun" else [sys.executable, "-m", LAUNCHER]
+        from kmp.launching.horovodrun import MODULE
+
+        head = [horovodrun_path()] if launcher == "horovodrun" else [sys.executable, "-m", MODULE]
         cmd = [*head, "--gloo", "-np", str(np), "-H", f"localhost:{np}"]
         cmd.append(sys.executable)
     cmd += [str(script), *args]
