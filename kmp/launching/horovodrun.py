@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 from kmp._imports import optional_import
-from kmp.install import record
 
 __all__ = ["MODULE", "answer_probes", "main"]
 
@@ -41,6 +40,10 @@ def answer_probes(launch: ModuleType, built: Mapping[str, bool]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run Horovod's launcher on ``argv`` (``sys.argv[1:]`` when None)."""
+    # Imported here: kmp.launching.plan reads MODULE, and `kmp launch` should not pay for
+    # the install package's imports (half of plan's import time) to build a command.
+    from kmp.install import record
+
     launch = optional_import("horovod.runner.launch", feature="kmp launch on several processes")
     built = record.built_flags()
     if built is not None:
