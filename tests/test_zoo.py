@@ -27,10 +27,35 @@ needs_hub = pytest.mark.skipif(
 )
 
 CASES = [pytest.param(name, *HUB[name], marks=needs_hub, id=name) for name in HUB] + [
-    # keras.applications models: 35-100 s each (graph tracing of a full-size network)
+    # keras.applications models: 5-40 CPU-s each (tracing a full-size network: _eagerly)
     pytest.param(name, *APPLICATIONS[name], marks=pytest.mark.slow, id=name)
     for name in APPLICATIONS
 ]
+
+
+def _optimizer(name: str) -> keras.optimizers.Optimizer:
+    """Each model's usual optimizer: Adam for the KerasHub models, SGD with momentum for the
+    keras.applications CNNs (how ResNets are trained, and a third less graph to trace)."""
+    if name in HUB:
+        return keras.optimizers.Adam(1e-3)
+    return keras.optimizers.SGD(1e-3, momentum=0.9)
+
+
+# keras.applications models whose mixed_bfloat16 steps run eagerly (see _eagerly). Not
+# ConvNeXtTiny: eagerly, Keras compiles its depthwise convolutions with XLA call by call,
+# slower than tracing the step once (49 s against 36 measured).
+EAGER_BFLOAT16 = ("ResNet50", "MobileNetV3Small")
+
+
+def _eagerly(name: str, policy: str) -> bool:
+    """Whether ``fit`` runs eagerly rather than as a traced step.
+
+    Tracing a full-size network's training step is most of these tests' time (ResNet50:
+    30 CPU-s traced, 4 run eagerly). Every model is traced under mixed_float16 (kmp's
+    loss-scale update and skip inside the compiled step); under mixed_bfloat16 the models
+    of ``EAGER_BFLOAT16`` run the same two steps eagerly, through the same kmp code.
+    """
+    return name in EAGER_BFLOAT16 and policy == "mixed_bfloat16"
 
 
 def _floating_outputs(out) -> list:
@@ -59,8 +84,9 @@ def test_zoo_model_trains_with_float32_outputs(name, build, make_batch, policy):
 
     from_logits = name in HUB  # KerasHub heads produce logits; applications end in softmax
     model.compile(
-        optimizer=kmp.wrap_optimizer(keras.optimizers.Adam(1e-3)),
+        optimizer=kmp.wrap_optimizer(_optimizer(name)),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=from_logits),
+        run_eagerly=_eagerly(name, policy),
     )
     start = [keras.ops.convert_to_numpy(w).copy() for w in model.trainable_weights]
     history = model.fit(x, y, epochs=1, batch_size=len(y) // 2, verbose=0)  # 2 steps, 1 trace
