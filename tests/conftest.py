@@ -21,21 +21,21 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 # The longest test modules (their whole time, fixtures included, in phase 1 of a clean-clone
-# run: 2 workers, AVX2 machine), run first, so that under pytest-xdist (launch/test.sh:
-# `--dist loadscope --no-loadscope-reorder`) no long module starts last while the other worker
-# idles. Only the order changes; a module missing from the list runs after these, in
-# collection order.
+# run: 2 workers, AVX2 machine, 2026-12-03), run first, so that under pytest-xdist
+# (launch/test.sh: `--dist loadscope --no-loadscope-reorder`) no long module starts last while
+# the other worker idles. Only the order changes; a module missing from the list runs after
+# these, in collection order.
 LONGEST_FIRST = (
-    "tests/test_bench.py",  # 519 s: kmp bench --quick, the ResNet-50 JAX-CPU and probe benches
-    "tests/test_zoo.py",  # 451 s: keras.applications and KerasHub models
-    "tests/test_train.py",  # 380 s: launch/train.py jobs
-    "tests/test_backends.py",  # 324 s: the core tests again on JAX
-    "tests/test_master_weights.py",  # 240 s
-    "tests/test_notebooks.py",  # 228 s
-    "tests/test_scaling_optimizer.py",  # 196 s
-    "tests/distributed/test_jax_engine.py",  # 152 s
-    "tests/distributed/test_sparse.py",  # 127 s
-    "tests/test_data.py",  # 107 s
+    "tests/test_bench.py",  # 568 s: kmp bench --quick, the ResNet-50 JAX-CPU and probe benches
+    "tests/test_zoo.py",  # 374 s: keras.applications and KerasHub models
+    "tests/test_train.py",  # 326 s: launch/train.py jobs
+    "tests/test_backends.py",  # 189-210 s: the core tests again on JAX
+    "tests/test_master_weights.py",  # 197 s
+    "tests/test_notebooks.py",  # 212 s
+    "tests/test_scaling_optimizer.py",  # 198 s
+    "tests/distributed/test_jax_engine.py",  # 168 s
+    "tests/distributed/test_sparse.py",  # 147 s
+    "tests/test_data.py",  # 64 s
 )
 
 
