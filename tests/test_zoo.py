@@ -89,7 +89,8 @@ def test_zoo_model_trains_with_float32_outputs(name, build, make_batch, policy):
         run_eagerly=_eagerly(name, policy),
     )
     start = [keras.ops.convert_to_numpy(w).copy() for w in model.trainable_weights]
-    history = model.fit(x, y, epochs=1, batch_size=len(y) // 2, verbose=0)  # 2 steps, 1 trace
+    # 2 steps: one trace, or none (_eagerly)
+    history = model.fit(x, y, epochs=1, batch_size=len(y) // 2, verbose=0)
     losses = history.history["loss"]
     assert np.isfinite(losses).all(), (name, policy, losses)
     assert all(np.isfinite(keras.ops.convert_to_numpy(w)).all() for w in model.weights)
