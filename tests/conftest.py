@@ -21,15 +21,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 # The longest test modules (their whole time, fixtures included, in phase 1 of a clean-clone
-# run: 2 workers, AVX2 machine, 2026-12-03), run first, so that under pytest-xdist
+# run of 678b02e: 2 workers, AVX2 machine, 2026-12-03), run first, so that under pytest-xdist
 # (launch/test.sh: `--dist loadscope --no-loadscope-reorder`) no long module starts last while
-# the other worker idles. Only the order changes; a module missing from the list runs after
-# these, in collection order.
+# the other worker idles. Modules within about 20 s of each other keep their earlier order
+# (less than one run's spread). Only the order changes; a module missing from the list runs
+# after these, in collection order.
 LONGEST_FIRST = (
     "tests/test_bench.py",  # 568 s: kmp bench --quick, the ResNet-50 JAX-CPU and probe benches
     "tests/test_zoo.py",  # 374 s: keras.applications and KerasHub models
     "tests/test_train.py",  # 326 s: launch/train.py jobs
-    "tests/test_backends.py",  # 189-210 s: the core tests again on JAX
+    "tests/test_backends.py",  # 210 s: the core tests again on JAX (189 s with XLA_FLAGS above)
     "tests/test_master_weights.py",  # 197 s
     "tests/test_notebooks.py",  # 212 s
     "tests/test_scaling_optimizer.py",  # 198 s
