@@ -90,6 +90,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="NIC",
         help="network interface(s) the ranks talk over, e.g. eth0 (comma-separated for several)",
     )
+    parser.add_argument(
+        "--gloo-timeout",
+        type=int,
+        metavar="S",
+        help="seconds a rank waits in a Gloo operation, start-up included, before it fails "
+        "(default 30): how soon an elastic job notices a dead rank",
+    )
     configure_elastic(parser)
     configure_engine(parser)
     parser.add_argument(
@@ -132,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
             elastic=elastic,
             engine=args.engine,
             coordinator_port=args.coordinator_port,
+            gloo_timeout=args.gloo_timeout,
         )
     except LaunchError as exc:
         print(f"kmp launch: error: {exc}", file=sys.stderr)

@@ -25,7 +25,13 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from kmp.launching.hosts import Host, LaunchError, parse_discovery_output, read_hostfile
+from kmp.launching.hosts import (
+    Host,
+    LaunchError,
+    check_count,
+    parse_discovery_output,
+    read_hostfile,
+)
 
 __all__ = [
     "DISCOVERY_TIMEOUT_S",
@@ -66,12 +72,6 @@ class ElasticOptions:
     cooldown_range: tuple[int, int] | None = None
 
 
-def _positive(value: object, flag: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise LaunchError(f"{flag} must be an integer >= {minimum}, got {value!r}.")
-    return value
-
-
 def elastic_args(
     options: ElasticOptions, np: int | None, *, python: str, controller: str | None
 ) -> tuple[int, list[str], list[Host]]:
@@ -97,8 +97,8 @@ def elastic_args(
         raise LaunchError(
             "--elastic runs on Gloo (Horovod's elastic driver does not support MPI); drop --mpi."
         )
-    min_np = _positive(options.min_np, "--min-np")
-    max_np = None if options.max_np is None else _positive(options.max_np, "--max-np")
+    min_np = check_count(options.min_np, "--min-np")
+    max_np = None if options.max_np is None else check_count(options.max_np, "--max-np")
     if max_np is not None and min_np > max_np:
         raise LaunchError(
             f"--min-np {min_np} is more than --max-np {max_np}: the job could never start. "
@@ -136,7 +136,7 @@ def elastic_args(
             [python, "-m", "kmp.launching.discover", str(Path(options.hostfile).resolve())]
         )
         start_np = slots if max_np is None else min(slots, max_np)
-    np = start_np if np is None else _positive(np, "-np")
+    np = start_np if np is None else check_count(np, "-np")
     if np < min_np or (max_np is not None and np > max_np):
         upper = "" if max_np is None else f" and <= --max-np {max_np}"
         raise LaunchError(f"-np {np} must be >= --min-np {min_np}{upper}.")
@@ -145,14 +145,14 @@ def elastic_args(
         args += ["--max-np", str(max_np)]
     args += ["--host-discovery-script", discovery]
     if options.slots_per_host is not None:
-        args += ["--slots-per-host", str(_positive(options.slots_per_host, "--slots-per-host"))]
+        args += ["--slots-per-host", str(check_count(options.slots_per_host, "--slots-per-host"))]
     if options.elastic_timeout is not None:
-        timeout = _positive(options.elastic_timeout, "--elastic-timeout")
+        timeout = check_count(options.elastic_timeout, "--elastic-timeout")
         args += ["--elastic-timeout", str(timeout)]
     if options.reset_limit is not None:
-        args += ["--reset-limit", str(_positive(options.reset_limit, "--reset-limit", 0))]
+        args += ["--reset-limit", str(check_count(options.reset_limit, "--reset-limit", 0))]
     if options.cooldown_range is not None:
-        low, high = (_positive(v, "--blacklist-cooldown-range") for v in options.cooldown_range)
+        low, high = (check_count(v, "--blacklist-cooldown-range") for v in options.cooldown_range)
         if low > high:
             raise LaunchError(
                 f"--blacklist-cooldown-range {low} {high}: give the shorter time first."

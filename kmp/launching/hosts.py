@@ -17,6 +17,7 @@ from pathlib import Path
 __all__ = [
     "Host",
     "LaunchError",
+    "check_count",
     "parse_discovery_output",
     "parse_hostfile",
     "parse_hosts",
@@ -28,6 +29,13 @@ HOST_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 
 class LaunchError(ValueError):
     """Bad input to ``kmp launch``; the message says what was wrong and what to do."""
+
+
+def check_count(value: object, flag: str, minimum: int = 1) -> int:
+    """Return ``value`` if it is an integer >= ``minimum``; else a LaunchError naming ``flag``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise LaunchError(f"{flag} must be an integer >= {minimum}, got {value!r}.")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ from kmp.launching import horovodrun as horovodrun_entry
 from kmp.launching import preflight
 from kmp.launching.elastic import ElasticOptions, check_discovery, elastic_args
 from kmp.launching.engines import engine_env, local_argv
-from kmp.launching.hosts import HOST_RE, Host, LaunchError
+from kmp.launching.hosts import HOST_RE, Host, LaunchError, check_count
 from kmp.launching.processes import run_forwarding_signals
 
 __all__ = [
@@ -137,6 +137,7 @@ def build_command(
     elastic: ElasticOptions | None = None,
     engine: str = "horovod",
     coordinator_port: int | None = None,
+    gloo_timeout: int | None = None,
 ) -> LaunchPlan:
     """Build the command that runs ``script`` on ``np`` processes (pure: starts nothing).
 
@@ -164,6 +165,12 @@ def build_command(
         engine: ``"horovod"`` or ``"jax"`` (:mod:`kmp.launching.engines`:
             horovodrun starts the processes, which join JAX's runtime).
         coordinator_port: The JAX coordinator's port (None: a free one).
+        gloo_timeout: Seconds a rank waits in a Gloo operation, the start-up
+            rendezvous included, before it fails (``horovodrun
+            --gloo-timeout-seconds``; None: Horovod's 30). In an elastic job this
+            bounds how long a rank waiting on a dead peer takes to notice; it
+            must exceed the spread of the ranks' start-up (import to
+            ``kmp.distributed.init()``), or the job fails at start.
 
     Returns:
         The :class:`LaunchPlan`.
@@ -196,6 +203,14 @@ def build_command(
     environ = os.environ if environ is None else environ
     env = forwarded_env(environ, policy)
     env.update(engine_env(engine, hosts, coordinator_port, environ, elastic=elastic is not None))
+    if gloo_timeout is not None:
+        check_count(gloo_timeout, "--gloo-timeout")
+        if controller == "mpi" or engine == "jax":
+            used = "--mpi" if controller == "mpi" else f"--engine {engine}"
+            raise LaunchError(
+                f"--gloo-timeout sets the timeout of Horovod's Gloo controller, which {used} "
+                "does not use: drop one of them."
+            )
     python = python or sys.executable
     command = [python, str(script_path), *script_args]
     extra: list[str] = []
@@ -232,6 +247,8 @@ def build_command(
     if elastic is None:
         argv += ["-H", ",".join(str(h) for h in hosts)]
     argv += [*extra, f"--{controller or 'gloo'}"]
+    if gloo_timeout is not None:
+        argv += ["--gloo-timeout-seconds", str(gloo_timeout)]
     if ssh_port is not None:
         argv += ["-p", str(ssh_port)]
     if ssh_identity_file is not None:

@@ -51,7 +51,15 @@ def env(tmp_path_factory) -> dict[str, str]:
 class Job:
     """An elastic job started on h1 in the background; its output goes to a file."""
 
-    def __init__(self, tmp_path: Path, hostfile: Path, env: dict, *, min_np: int = 2):
+    def __init__(
+        self,
+        tmp_path: Path,
+        hostfile: Path,
+        env: dict,
+        *,
+        min_np: int = 2,
+        gloo_timeout: int | None = None,
+    ):
         self.out = tmp_path / "job.log"
         self.tmp = tmp_path
         argv = [
@@ -59,6 +67,7 @@ class Job:
             PY, "-m", "kmp.cli", "launch", "--elastic", "--min-np", str(min_np), "--max-np", "3",
             "--hostfile", str(hostfile), "--network-interface", "eth0", "--elastic-timeout", "10",
             "--policy", "mixed_float16",
+            *(() if gloo_timeout is None else ("--gloo-timeout", str(gloo_timeout))),
             TRAIN, "--elastic", "--model", "digits_cnn", "--epochs", str(EPOCHS),
             "--batch-size", "32", "--commit-every", "5", "--lr", "2e-3", "--scale-lr",
             "--lr-schedule", "cosine", "--inject-overflow", "3",
@@ -189,10 +198,16 @@ def unbroken(hosts, env, tmp_path_factory):
     return runs["h1"]
 
 
+# A rank waiting on the killed one's peer notices only when Gloo's timeout runs out (30 s
+# by default; measured: 30.1 s after the kill). 15 s still covers the ranks' start-up spread.
+GLOO_TIMEOUT = 15
+
+
 def test_a_killed_host_leaves_two_ranks_training_from_the_last_commit(
     hosts, env, tmp_path, unbroken
 ):
-    with job(tmp_path, hostfile(tmp_path, "h1", "h2", "h3"), env) as j:
+    hosts_file = hostfile(tmp_path, "h1", "h2", "h3")
+    with job(tmp_path, hosts_file, env, gloo_timeout=GLOO_TIMEOUT) as j:
         j.wait_for("commit at epoch 2 batch 5 ")
         killed_at = time.time()
         kill_worker("h3")
@@ -213,6 +228,8 @@ def test_a_killed_host_leaves_two_ranks_training_from_the_last_commit(
     assert commit["epoch"] >= 2 and commit["batch"] % 5 == 0
     assert commit["samples_done"] == commit["batch"] * 3 * 32
     assert fail[0]["batch"] >= commit["batch"]
+    noticed = fail[0]["time"] - killed_at
+    assert noticed < GLOO_TIMEOUT + 10, noticed  # --gloo-timeout reached the ranks
     assert (starts[1]["epoch"], starts[1]["samples_done"]) == (commit["epoch"],
                                                                commit["samples_done"])  # fmt: skip
     # The loss scale and the skipped step (injected at step 3) survived the reset unchanged.
@@ -222,7 +239,8 @@ def test_a_killed_host_leaves_two_ranks_training_from_the_last_commit(
         assert (e["loss_scale"], e["skipped_steps"]) == (16384.0, 1), e
     assert chief["skipped_at"] == [3]
     t0 = starts[0]["time"]
-    print(f"\nelastic kill run (h3 killed {killed_at - t0:.1f} s after the start):\n"
+    print(f"\nelastic kill run (h3 killed {killed_at - t0:.1f} s after the start, the failure "
+          f"noticed {noticed:.1f} s later):\n"
           f"{timeline(chief, t0)}\n  accuracy {chief['test_accuracy']:.4f} vs unbroken "
           f"{unbroken['test_accuracy']:.4f}")  # fmt: skip
     assert abs(chief["test_accuracy"] - unbroken["test_accuracy"]) <= 0.01, (

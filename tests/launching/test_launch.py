@@ -129,6 +129,10 @@ def test_single_process_runs_without_horovodrun(script):
         ({"np": 3, "hosts": [Host("a", 1), Host("b", 1)]}, r"-np 3 needs 3 slots.*provide 2"),
         ({"np": 2, "controller": "ssh"}, r"controller must be"),
         ({"np": 2, "policy": "fp8"}, r"--policy: Unknown dtype policy 'fp8'"),
+        ({"np": 2, "gloo_timeout": 0}, r"--gloo-timeout must be an integer >= 1, got 0"),
+        ({"np": 2, "gloo_timeout": True}, r"--gloo-timeout must be an integer >= 1, got True"),
+        ({"np": 2, "controller": "mpi", "gloo_timeout": 9}, r"Gloo controller, which --mpi does"),
+        ({"np": 2, "engine": "jax", "gloo_timeout": 9}, r"which --engine jax does not use"),
     ],
 )
 def test_build_command_rejects_bad_input(script, kwargs, message):
@@ -190,6 +194,12 @@ def test_dry_run_shows_forwarded_kmp_env(capsys, script, monkeypatch):
 def test_dry_run_ssh_port_and_interfaces(capsys, script):
     cmd = dry_run(capsys, "-np", "2", "-p", "2222", "--network-interfaces", "eth0", str(script))
     assert cmd[7:12] == ["--gloo", "-p", "2222", "--network-interfaces", "eth0"]
+
+
+def test_dry_run_gloo_timeout(capsys, script):
+    cmd = dry_run(capsys, "-np", "2", "--gloo-timeout", "12", str(script))
+    assert cmd[7:10] == ["--gloo", "--gloo-timeout-seconds", "12"]
+    assert "--gloo-timeout-seconds" not in dry_run(capsys, "-np", "2", str(script))
 
 
 def test_dry_run_script_arguments_pass_through(capsys, script):
