@@ -44,52 +44,24 @@ already be prepared there, unless ``download=True``.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
 from kmp._checks import check_int, is_int
 from kmp._imports import optional_import
+from kmp.sharding import (
+    ShardSpec,
+    check_seed,
+    compute_dtype,
+    epoch_seed,
+    resolve_size,
+    resolve_world,
+    shard_counts,
+)
 
 __all__ = ["ShardSpec", "available", "load", "open_builder", "shard_counts", "shard_spec"]
 
-_MAX_SEED = 2**31
 _DEFAULT_SHUFFLE_BUFFER = 10_000
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardSpec:
-    """How one split is divided among ranks and batches.
-
-    Attributes:
-        name: Data set name.
-        split: Split name (any TFDS split expression).
-        num_examples: Examples in the split.
-        size: Number of ranks.
-        batch_size: Examples per batch on each rank (None: unbatched).
-        examples_per_rank: Examples each rank is guaranteed, ``num_examples // size``.
-        steps_per_epoch: Batches each rank runs per epoch (every rank the same);
-            None when unbatched.
-        dropped_per_epoch: Examples of the split that no rank trains on in one
-            epoch (0 when unbatched).
-        num_classes: Number of label classes.
-        image_shape: Shape of one image as stored, e.g. ``(8, 8, 1)``.
-    """
-
-    name: str
-    split: str
-    num_examples: int
-    size: int
-    batch_size: int | None
-    examples_per_rank: int
-    steps_per_epoch: int | None
-    dropped_per_epoch: int
-    num_classes: int
-    image_shape: tuple[int | None, ...]
-
-    def to_dict(self) -> dict:
-        """Return a JSON-ready dict."""
-        return dataclasses.asdict(self)
 
 
 # --------------------------------------------------------------------- builders
@@ -206,41 +178,6 @@ def _num_examples(builder: Any, split: str, name: str) -> int:
 # -------------------------------------------------------------------- checking
 
 
-def _check_int(value: Any, what: str, minimum: int) -> int:
-    return check_int(what, value, minimum=minimum)
-
-
-def _world(rank: int | None, size: int | None) -> tuple[int, int]:
-    if rank is None or size is None:
-        try:
-            from kmp import distributed
-        except ImportError:  # the distributed module is optional for plain input pipelines
-            default_rank, default_size = 0, 1
-        else:
-            default_rank, default_size = distributed.rank(), distributed.size()
-        rank = default_rank if rank is None else rank
-        size = default_size if size is None else size
-    _check_int(size, "size (number of ranks)", 1)
-    _check_int(rank, "rank", 0)
-    if rank >= size:
-        raise ValueError(f"rank must be in [0, size): got rank={rank} with size={size}.")
-    return rank, size
-
-
-def _compute_dtype(dtype: Any) -> str:
-    import keras
-
-    if dtype is None:
-        return keras.config.dtype_policy().compute_dtype
-    name = keras.backend.standardize_dtype(dtype)
-    if name not in ("float16", "bfloat16", "float32", "float64"):
-        raise ValueError(
-            f"dtype must be a floating dtype (float16, bfloat16, float32, float64), got "
-            f"{dtype!r}. Leave it None to follow the current Keras policy."
-        )
-    return name
-
-
 def _image_hw(image_size: Any) -> tuple[int, int] | None:
     if image_size is None:
         return None
@@ -257,38 +194,7 @@ def _image_hw(image_size: Any) -> tuple[int, int] | None:
     return h, w
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
-    """The shuffle seed of one epoch: a fixed function of (seed, epoch)."""
-    return (seed * 1_000_003 + epoch) % _MAX_SEED
-
-
 # ------------------------------------------------------------------ public API
-
-
-def shard_counts(
-    name: str, split: str, num_examples: int, size: int, batch_size: int | None
-) -> tuple[int, int | None, int]:
-    """How ``num_examples`` are dealt to ``size`` ranks: the arithmetic of every data set.
-
-    Returns:
-        ``(examples per rank, full batches per rank and epoch (None: unbatched), examples
-        left out per epoch)``.
-
-    Raises:
-        ValueError: Too few examples for one full batch per rank (``name`` and ``split``
-            name the data in the message).
-    """
-    per_rank = num_examples // size
-    if batch_size is None:
-        return per_rank, None, 0
-    steps = per_rank // batch_size
-    if steps == 0:
-        raise ValueError(
-            f"Split {split!r} of {name!r} has {num_examples} examples: with {size} rank(s) "
-            f"and batch_size={batch_size} per rank there is not one full batch per rank. "
-            f"Use batch_size <= {max(per_rank, 1)}, fewer ranks or more data."
-        )
-    return per_rank, steps, num_examples - size * steps * batch_size
 
 
 def shard_spec(
@@ -316,9 +222,9 @@ def shard_spec(
     Raises:
         ValueError: Bad arguments, or too few examples for one batch per rank.
     """
-    size = _world(None, None)[1] if size is None else _world(0, size)[1]
+    size = resolve_size(size)
     if batch_size is not None:
-        _check_int(batch_size, "batch_size", 1)
+        check_int("batch_size", batch_size, minimum=1)
     builder = open_builder(name, data_dir, download=download)
     image_key, label_key = _image_label_keys(builder, name)
     n = _num_examples(builder, split, name)
@@ -412,15 +318,13 @@ def load(
     import tensorflow as tf
 
     tfds = _tfds()
-    rank, size = _world(rank, size)
-    _check_int(seed, "seed", 0)
-    if seed >= _MAX_SEED:
-        raise ValueError(f"seed must be < 2**31, got {seed}.")
-    _check_int(epoch, "epoch", 0)
+    rank, size = resolve_world(rank, size)
+    check_seed(seed)
+    check_int("epoch", epoch, minimum=0)
     if epochs is not None:
-        _check_int(epochs, "epochs", 1)
-    _check_int(shuffle_buffer, "shuffle_buffer", 1)
-    out_dtype = _compute_dtype(dtype)
+        check_int("epochs", epochs, minimum=1)
+    check_int("shuffle_buffer", shuffle_buffer, minimum=1)
+    out_dtype = compute_dtype(dtype)
     hw = _image_hw(image_size)
     spec = shard_spec(
         name, split, batch_size=batch_size, size=size, data_dir=data_dir, download=download
@@ -429,7 +333,7 @@ def load(
     if steps_per_epoch is not None:
         if batch_size is None:
             raise ValueError("steps_per_epoch needs a batch_size (it counts batches).")
-        _check_int(steps_per_epoch, "steps_per_epoch", 1)
+        check_int("steps_per_epoch", steps_per_epoch, minimum=1)
         if steps_per_epoch > spec.steps_per_epoch:
             raise ValueError(
                 f"steps_per_epoch={steps_per_epoch} is more than the "
@@ -479,11 +383,11 @@ def load(
     # Seeds are Python ints: TensorFlow's seed handling breaks on tensor seeds when the
     # global seed is 0 (keras.utils.set_random_seed(0)), so epochs are chained in Python.
     if epochs is None:
-        ds = one_epoch(_epoch_seed(seed, epoch), reshuffle=True).repeat()
+        ds = one_epoch(epoch_seed(seed, epoch), reshuffle=True).repeat()
     else:
-        ds = one_epoch(_epoch_seed(seed, epoch))
+        ds = one_epoch(epoch_seed(seed, epoch))
         for e in range(epoch + 1, epoch + epochs):
-            ds = ds.concatenate(one_epoch(_epoch_seed(seed, e)))
+            ds = ds.concatenate(one_epoch(epoch_seed(seed, e)))
     if epochs is not None:
         per_epoch = steps if batch_size is not None else shard_len
         ds = ds.apply(tf.data.experimental.assert_cardinality(per_epoch * epochs))

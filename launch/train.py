@@ -52,6 +52,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # kmp and TensorFlow are imported in start(), once the flags are checked
+    import argparse
+    import types
+
+    from kmp import PolicyChoice
+    from kmp.data import ShardSpec
+    from kmp.distributed import World
 
 # The siblings (workloads.py, train_options.py, train_measure.py) import by name: a script's
 # folder is on sys.path when it runs, and bench/ imports this file by its path.
@@ -163,11 +172,11 @@ def log(*parts) -> None:
 class Run:
     """What main's steps share: the flags, kmp, the world, the policy chosen, the data's shape."""
 
-    args: object
-    kmp: object
-    world: object
-    choice: object
-    spec: object
+    args: argparse.Namespace
+    kmp: types.ModuleType
+    world: World
+    choice: PolicyChoice
+    spec: ShardSpec
     steps: int
     overflow_rank: int
 

@@ -9,7 +9,7 @@ prepared TFDS folder, with the same rules::
 1. **Shard.** The split's examples are cut into ``size`` contiguous parts (sizes differ by
    at most one, like ``tfds.even_splits``); rank ``r`` reads only the ``r``-th.
 2. **Shuffle** the rank's part every epoch with ``numpy.random.default_rng`` seeded by
-   :func:`kmp.data`'s per-epoch seed of ``(seed, epoch)``: each epoch its own order, the
+   :func:`kmp.sharding.epoch_seed` of ``(seed, epoch)``: each epoch its own order, the
    same order again after a restart.
 3. **Batch** with ``drop_remainder`` and the same number of steps on every rank,
    ``(num_examples // size) // batch_size`` (:attr:`kmp.data.ShardSpec.steps_per_epoch`).
@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from kmp import sharding
 from kmp._checks import check_int
-from kmp.data import ShardSpec, _compute_dtype, _epoch_seed, _world, shard_counts
+from kmp.sharding import ShardSpec
 
 __all__ = ["NAMES", "arrays", "load", "shard_spec"]
 
@@ -83,7 +84,7 @@ def arrays(
 def _spec(name: str, split: str, n: int, size: int, batch_size: int | None, shape, classes):
     if batch_size is not None:
         check_int("batch_size", batch_size, minimum=1)
-    per_rank, steps, dropped = shard_counts(name, split, n, size, batch_size)
+    per_rank, steps, dropped = sharding.shard_counts(name, split, n, size, batch_size)
     return ShardSpec(name, split, n, size, batch_size, per_rank, steps, dropped, classes, shape)
 
 
@@ -96,7 +97,7 @@ def shard_spec(
     ``num_classes`` the output classes (256 bytes, or 10 digits). ``options`` go to
     :func:`arrays`.
     """
-    size = _world(None, None)[1] if size is None else _world(0, size)[1]
+    size = sharding.resolve_size(size)
     x, _, classes = arrays(name, split, **options)
     return _spec(name, split, len(x), size, batch_size, tuple(x.shape[1:]), classes)
 
@@ -125,7 +126,8 @@ def load(
         rank: This process's rank; ``kmp.distributed.rank()`` when None.
         size: Number of ranks; ``kmp.distributed.size()`` when None.
         shuffle: Shuffle every epoch (False: the stored order).
-        seed: Base seed; epoch ``e`` is shuffled by a fixed function of ``(seed, e)``.
+        seed: Base seed, ``0 <= seed < 2**31``; epoch ``e`` is shuffled by a fixed function of
+            ``(seed, e)``.
         epoch: Number of the first epoch (``initial_epoch`` when resuming).
         epochs: How many epochs the data set yields (an int: the orders are made up front).
         steps_per_epoch: Batches per epoch, at most the spec's (the default).
@@ -137,12 +139,12 @@ def load(
     """
     import tensorflow as tf
 
-    rank, size = _world(rank, size)
-    check_int("seed", seed, minimum=0)
+    rank, size = sharding.resolve_world(rank, size)
+    sharding.check_seed(seed)
     check_int("epoch", epoch, minimum=0)
     check_int("epochs", epochs, minimum=1)
     x, y, classes = arrays(name, split, **options)
-    _compute_dtype(dtype)  # a bad dtype fails here, before any work
+    sharding.compute_dtype(dtype)  # a bad dtype fails here, before any work
     spec = _spec(name, split, len(x), size, batch_size, tuple(x.shape[1:]), classes)
     part = np.array_split(np.arange(len(x)), size)[rank]
     if batch_size is None:
@@ -161,7 +163,7 @@ def load(
     for e in range(epoch, epoch + epochs):
         order = part
         if shuffle:
-            order = np.random.default_rng(_epoch_seed(seed, e)).permutation(part)
+            order = np.random.default_rng(sharding.epoch_seed(seed, e)).permutation(part)
         orders.append(order[: steps * batch_size])
     index = np.concatenate(orders).reshape(-1, batch_size)
     xs, ys = tf.constant(x), tf.constant(y)
@@ -175,4 +177,4 @@ def _cast(inputs: Any, dtype: Any) -> Any:
 
     if not inputs.dtype.is_floating:
         return inputs  # byte tokens stay int32
-    return tf.cast(inputs, _compute_dtype(dtype))
+    return tf.cast(inputs, sharding.compute_dtype(dtype))
