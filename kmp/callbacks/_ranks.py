@@ -15,40 +15,49 @@ import numpy as np
 from kmp import distributed
 from kmp._checks import check_choice, check_int
 
-__all__ = ["innermost_optimizer", "verbosity"]
+__all__ = [
+    "chief_print",
+    "innermost_optimizer",
+    "is_chief",
+    "model_optimizer",
+    "this_rank",
+    "to_float",
+    "verbosity",
+    "world_size",
+]
 
 _VERBOSITY_HINT = "Use 'auto', 0, 1 or 2, as for model.fit(verbose=...)."
 
 
-def _rank() -> int:
+def this_rank() -> int:
     """Return this process's rank (0 in a single process)."""
     return int(distributed.rank())
 
 
-def _is_chief() -> bool:
+def is_chief() -> bool:
     """Return True on the chief (rank 0, or a single process)."""
     return bool(distributed.is_chief())
 
 
-def _size() -> int:
+def world_size() -> int:
     """Return the number of ranks (1 in a single process)."""
     return int(distributed.size())
 
 
-def _chief_print(message: str) -> None:
+def chief_print(message: str) -> None:
     """Print ``message`` (flushed) on the chief only."""
-    if _is_chief():
+    if is_chief():
         print(message, flush=True)
 
 
-def _to_float(value: Any) -> float:
+def to_float(value: Any) -> float:
     """Convert a Keras variable, tensor, NumPy or Python scalar to a float."""
     if isinstance(value, keras.Variable):
         value = value.value
     return float(np.asarray(value))
 
 
-def _model_optimizer(callback: keras.callbacks.Callback, what: str) -> keras.optimizers.Optimizer:
+def model_optimizer(callback: keras.callbacks.Callback, what: str) -> keras.optimizers.Optimizer:
     """Return the optimizer of the callback's model, or say that ``what`` needs one.
 
     Raises:
@@ -90,4 +99,4 @@ def verbosity(chief: int | str = "auto") -> int | str:
         chief = check_choice("verbosity(chief)", chief, ("auto",), hint=_VERBOSITY_HINT)
     else:
         chief = check_int("verbosity(chief)", chief, minimum=0, maximum=2, hint=_VERBOSITY_HINT)
-    return chief if _is_chief() else 0
+    return chief if is_chief() else 0

@@ -8,7 +8,7 @@ import keras
 
 from kmp import distributed
 from kmp._checks import check_int
-from kmp.callbacks._ranks import _model_optimizer, _size
+from kmp.callbacks._ranks import model_optimizer, world_size
 from kmp.distributed.collectives import unique_variables
 
 __all__ = ["BroadcastInitialState"]
@@ -47,7 +47,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
         Builds the optimizer on the model's trainable variables if needed.
         """
         model = self.model
-        optimizer = _model_optimizer(self, "BroadcastInitialState")
+        optimizer = model_optimizer(self, "BroadcastInitialState")
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
         return unique_variables([*model.weights, *optimizer.variables])
@@ -55,7 +55,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Broadcast the state from ``root``."""
         variables = self.state_variables()
-        size = _size()
+        size = world_size()
         if size == 1:
             return
         if self.root >= size:

@@ -15,7 +15,7 @@ import keras
 from kmp import distributed
 from kmp._checks import check_bool, check_choice, check_int
 from kmp._files import atomic_write
-from kmp.callbacks._ranks import _is_chief, _to_float
+from kmp.callbacks._ranks import is_chief, to_float
 
 __all__ = [
     "DEFAULT_CHECKPOINT_NAME",
@@ -260,7 +260,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Save a checkpoint on the chief when due (and improved with ``save_best_only``)."""
-        if not _is_chief() or (epoch + 1) % self.save_freq:
+        if not is_chief() or (epoch + 1) % self.save_freq:
             return
         logs = logs or {}
         if self.save_best_only:
@@ -272,7 +272,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
                     stacklevel=2,
                 )
                 return
-            current = _to_float(current)
+            current = to_float(current)
             if not self._improved(current):
                 return
             self.best = current

@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from kmp.callbacks._ranks import _is_chief
+from kmp.callbacks._ranks import is_chief
 
 __all__ = ["ChiefOnly", "chief_only"]
 
@@ -43,7 +43,7 @@ def _forwarder(name: str) -> Callable[..., None]:
     """Make the hook ``name`` that calls the wrapped callback's on the chief only."""
 
     def hook(self: ChiefOnly, *args: Any, **kwargs: Any) -> None:
-        if _is_chief():
+        if is_chief():
             getattr(self.callback, name)(*args, **kwargs)
 
     hook.__name__ = name
@@ -117,7 +117,7 @@ class ChiefOnly(keras.callbacks.Callback):
     def set_model(self, model: keras.Model) -> None:
         """Store the model; pass it on on the chief only."""
         super().set_model(model)
-        if _is_chief():
+        if is_chief():
             self.callback.set_model(model)
 
     def __repr__(self) -> str:

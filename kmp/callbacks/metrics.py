@@ -9,7 +9,7 @@ import keras
 import numpy as np
 
 from kmp import distributed
-from kmp.callbacks._ranks import _size, _to_float
+from kmp.callbacks._ranks import to_float, world_size
 
 __all__ = ["MetricAverage"]
 
@@ -29,7 +29,7 @@ class MetricAverage(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Replace the numeric entries of ``logs`` with their mean over ranks."""
-        if not logs or _size() == 1:
+        if not logs or world_size() == 1:
             return
         keys = sorted(k for k, v in logs.items() if _is_number(v))
         signature = zlib.crc32("\0".join(keys).encode())
@@ -43,7 +43,7 @@ class MetricAverage(keras.callbacks.Callback):
             )
         if not keys:
             return
-        values = np.array([_to_float(logs[k]) for k in keys], dtype=np.float64)
+        values = np.array([to_float(logs[k]) for k in keys], dtype=np.float64)
         averaged = np.asarray(distributed.allreduce(values, op="average"), dtype=np.float64)
         for k, v in zip(keys, averaged.tolist(), strict=True):
             logs[k] = v

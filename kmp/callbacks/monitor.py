@@ -10,7 +10,7 @@ import keras
 import numpy as np
 
 from kmp._checks import check_bool, check_choice, check_int
-from kmp.callbacks._ranks import _chief_print, _is_chief, _model_optimizer, _to_float
+from kmp.callbacks._ranks import chief_print, is_chief, model_optimizer, to_float
 
 __all__ = ["STUCK_ACTIONS", "LossScaleMonitor"]
 
@@ -57,9 +57,9 @@ def _read_loss_scale(scaler: Any | None) -> tuple[float | None, int | None]:
         scale, skipped = scaler.loss_scale, scaler.skipped_steps
         if scale is None:  # a kmp optimizer with loss scaling turned off
             return None, None
-        return _to_float(scale), None if skipped is None else int(_to_float(skipped))
+        return to_float(scale), None if skipped is None else int(to_float(skipped))
     scale = getattr(scaler, "dynamic_scale", None) if scaler.built else None
-    return _to_float(scaler.initial_scale if scale is None else scale), None
+    return to_float(scaler.initial_scale if scale is None else scale), None
 
 
 def _min_scale(scaler: Any | None) -> float | None:
@@ -153,7 +153,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         return scale, skipped
 
     def _optimizer(self) -> keras.optimizers.Optimizer:
-        return _model_optimizer(self, "LossScaleMonitor")
+        return model_optimizer(self, "LossScaleMonitor")
 
     def _update(self, logs: dict | None, *, step: bool = False) -> None:
         scaler = _find_scaler(self._optimizer())  # one walk of the optimizer chain per read
@@ -162,7 +162,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             if not self._noted:  # decided once: nothing to report this training
                 self._noted = True
                 if self.verbose and not _reports_nothing(scaler):
-                    _chief_print(
+                    chief_print(
                         "LossScaleMonitor: the optimizer does not scale the loss (nothing to "
                         "report); use kmp.wrap_optimizer under a float16 policy to get loss "
                         "scaling."
@@ -174,7 +174,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 steps = "step skipped" if new == 1 else f"{new} steps skipped"
                 lowered = self._last_scale is not None and scale < self._last_scale
                 now = f"lowered to {scale:g}" if lowered else f"kept at {scale:g}"
-                _chief_print(f"overflow: {steps}, loss scale {now}")
+                chief_print(f"overflow: {steps}, loss scale {now}")
             if step:  # a batch ended: judge the steps it ran
                 self._track_stuck(scaler, new, scale)
         self._last_scale, self._last_skipped = scale, skipped
@@ -218,8 +218,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
         if self.on_stuck == "stop":
             self.model.stop_training = True
             self.stopped = True
-            _chief_print(f"LossScaleMonitor stopped training. {message}")
-        elif _is_chief():  # every rank sees the same state; one warning is enough
+            chief_print(f"LossScaleMonitor stopped training. {message}")
+        elif is_chief():  # every rank sees the same state; one warning is enough
             warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def on_train_begin(self, logs: dict | None = None) -> None:

@@ -8,11 +8,11 @@ import keras
 
 from kmp._checks import check_int, check_number
 from kmp.callbacks._ranks import (
-    _chief_print,
-    _model_optimizer,
-    _size,
-    _to_float,
+    chief_print,
     innermost_optimizer,
+    model_optimizer,
+    to_float,
+    world_size,
 )
 
 __all__ = ["LearningRateWarmup"]
@@ -132,7 +132,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Resolve the start and target rates and the epoch length."""
-        optimizer = _model_optimizer(self, "LearningRateWarmup")
+        optimizer = model_optimizer(self, "LearningRateWarmup")
         inner = innermost_optimizer(optimizer)
         raw = getattr(inner, "_learning_rate", None)
         if isinstance(raw, keras.optimizers.schedules.LearningRateSchedule) or (
@@ -155,11 +155,13 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self._done = False
         if self._target is None:
             self._target = (
-                self.target_lr if self.target_lr is not None else _to_float(optimizer.learning_rate)
+                self.target_lr if self.target_lr is not None else to_float(optimizer.learning_rate)
             )
-            self._start = self.start_lr if self.start_lr is not None else self._target / _size()
+            self._start = (
+                self.start_lr if self.start_lr is not None else self._target / world_size()
+            )
             if self.verbose:
-                _chief_print(
+                chief_print(
                     f"LearningRateWarmup: learning rate from {self._start:.6g} to "
                     f"{self._target:.6g} over {self.warmup_epochs:g} epochs"
                 )
@@ -183,14 +185,14 @@ class LearningRateWarmup(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Add ``learning_rate`` to the epoch logs."""
         if logs is not None:
-            logs["learning_rate"] = _to_float(self.model.optimizer.learning_rate)
+            logs["learning_rate"] = to_float(self.model.optimizer.learning_rate)
 
     def _finish(self, epoch: int) -> None:
         self.model.optimizer.learning_rate = self._target
         self._warming = False
         self._done = True
         if self.verbose:
-            _chief_print(
+            chief_print(
                 f"Epoch {epoch + 1}: learning-rate warm-up done, learning rate {self._target:.6g}"
             )
 

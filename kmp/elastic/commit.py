@@ -9,7 +9,7 @@ import numpy as np
 
 from kmp import distributed
 from kmp._checks import check_bool, check_int
-from kmp.callbacks._ranks import _chief_print
+from kmp.callbacks._ranks import chief_print
 from kmp.elastic.data import PAD, ShardPlan
 from kmp.elastic.state import KerasState
 
@@ -99,7 +99,7 @@ class CommitCallback(keras.callbacks.Callback):
     def _commit(self) -> None:
         state = self.state
         if self.verbose >= 2:
-            _chief_print(
+            chief_print(
                 f"kmp.elastic: commit at epoch {state.epoch} batch {state.batch} "
                 f"(samples {state.samples_done}, {distributed.size()} ranks)"
             )

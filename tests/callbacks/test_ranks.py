@@ -38,32 +38,32 @@ def test_verbosity_rejects_bad_types(bad):
 
 
 def test_rank_helpers_read_kmp_distributed_at_call_time(monkeypatch, capsys):
-    assert (_ranks._rank(), _ranks._size(), _ranks._is_chief()) == (0, 1, True)
-    _ranks._chief_print("from the chief")
+    assert (_ranks.this_rank(), _ranks.world_size(), _ranks.is_chief()) == (0, 1, True)
+    _ranks.chief_print("from the chief")
     assert capsys.readouterr().out == "from the chief\n"
     monkeypatch.setattr(kmp.distributed, "rank", lambda: 3)
     monkeypatch.setattr(kmp.distributed, "size", lambda: 4)
     monkeypatch.setattr(kmp.distributed, "is_chief", lambda: False)
-    assert (_ranks._rank(), _ranks._size(), _ranks._is_chief()) == (3, 4, False)
-    _ranks._chief_print("from rank 3")
+    assert (_ranks.this_rank(), _ranks.world_size(), _ranks.is_chief()) == (3, 4, False)
+    _ranks.chief_print("from rank 3")
     assert capsys.readouterr().out == ""
 
 
 def test_to_float_accepts_variables_tensors_and_scalars():
-    assert _ranks._to_float(keras.Variable(0.5)) == 0.5
-    assert _ranks._to_float(keras.ops.convert_to_tensor(2.0)) == 2.0
-    assert _ranks._to_float(np.float16(1.5)) == 1.5
-    assert _ranks._to_float(3) == 3.0
+    assert _ranks.to_float(keras.Variable(0.5)) == 0.5
+    assert _ranks.to_float(keras.ops.convert_to_tensor(2.0)) == 2.0
+    assert _ranks.to_float(np.float16(1.5)) == 1.5
+    assert _ranks.to_float(3) == 3.0
 
 
 def test_model_optimizer_and_innermost():
     inner = keras.optimizers.SGD(0.1)
     cb = keras.callbacks.Callback()
     cb.set_model(make_model(keras.optimizers.LossScaleOptimizer(inner)))
-    optimizer = _ranks._model_optimizer(cb, "Test")
+    optimizer = _ranks.model_optimizer(cb, "Test")
     assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     assert _ranks.innermost_optimizer(optimizer) is inner
     assert _ranks.innermost_optimizer(inner) is inner
     cb.set_model(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))  # not compiled
     with pytest.raises(ValueError, match=r"Test needs a compiled model.*model\.compile"):
-        _ranks._model_optimizer(cb, "Test")
+        _ranks.model_optimizer(cb, "Test")
