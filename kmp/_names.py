@@ -16,6 +16,7 @@ __all__ = [
     "ENGINE_CHOICES",
     "ENGINE_NAMES",
     "LOSS_SCALE_KINDS",
+    "LOW_FLOATS",
     "LOSS_SCALE_MODES",
     "MASTER_WEIGHTS",
     "MIXED_POLICIES",
@@ -49,6 +50,9 @@ VALID_POLICIES: tuple[str, ...] = ("auto", "mixed_float16", "mixed_bfloat16", "f
 PURE_POLICIES: tuple[str, ...] = ("float16", "bfloat16")
 # Every concrete policy name (what "auto" resolves to, and what tf-keras accepts).
 POLICY_NAMES: tuple[str, ...] = ("float32", "mixed_float16", "mixed_bfloat16", *PURE_POLICIES)
+# The 16-bit float dtypes: what "low precision" means everywhere in kmp (a layer computing
+# in one, a variable stored in one).
+LOW_FLOATS: tuple[str, ...] = ("float16", "bfloat16")
 # Mixed policy -> the 16-bit dtype it computes in.
 MIXED_POLICIES: dict[str, str] = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import keras
 
-from kmp.layers import _LOW_FLOATS
+from kmp._names import LOW_FLOATS
 
 __all__ = ["KEPT_MARK", "keep_float32", "walk_layers"]
 
@@ -49,7 +49,7 @@ def _matches(selector: str | type, layer: Any, path: str) -> bool:
 
 def _float32_policy(layer: Any) -> Any:
     """The policy moving ``layer`` to float32 (quantization kept); None when it is not 16-bit."""
-    if layer.compute_dtype not in _LOW_FLOATS:
+    if layer.compute_dtype not in LOW_FLOATS:
         return None
     mode = layer.quantization_mode
     return keras.dtype_policies.get(f"{mode}_from_float32" if mode else "float32")
@@ -125,7 +125,7 @@ def keep_float32(model: keras.Model, *selectors: str | type) -> list[str]:
     plan = [(x, shown, _float32_policy(x)) for x, _, shown in visits if id(x) in chosen]
     changed = []
     for layer, shown, policy in plan:
-        reverse = getattr(layer, "reverse_dtype", None) in _LOW_FLOATS
+        reverse = getattr(layer, "reverse_dtype", None) in LOW_FLOATS
         if policy is not None:
             layer.dtype_policy = policy
         if reverse:

@@ -23,6 +23,8 @@ from typing import Any
 import keras
 from keras import ops
 
+from kmp._names import LOW_FLOATS
+
 __all__ = [
     "Float32Output",
     "Float32Outputs",
@@ -34,7 +36,7 @@ __all__ = [
 _LINEAR_NAMES = ("linear", None)
 
 
-def _activation_name(activation: Any) -> str | None:
+def activation_name(activation: Any) -> str | None:
     """The activation's name: a built-in's (``"softmax"``), else its registered or class name.
 
     Never raises: an activation Keras cannot serialize is named by its Python name
@@ -92,15 +94,12 @@ class Float32Output(keras.layers.Layer):
         return config
 
 
-_LOW_FLOATS = ("float16", "bfloat16")
-
-
 def _cast_low_floats(outputs: Any) -> Any:
     """``outputs`` with every float16/bfloat16 tensor cast to float32, the rest as they are."""
 
     def cast(t: Any) -> Any:
         dtype = getattr(t, "dtype", None)
-        if dtype is not None and keras.backend.standardize_dtype(dtype) in _LOW_FLOATS:
+        if dtype is not None and keras.backend.standardize_dtype(dtype) in LOW_FLOATS:
             return ops.cast(t, "float32")
         return t
 
@@ -178,7 +177,7 @@ def has_float32_outputs(model: Any) -> bool:
 
 def _computes_in_low_precision(model: keras.Model) -> bool:
     layers = [model, *model._flatten_layers(include_self=False)]
-    return any(getattr(layer, "compute_dtype", None) in _LOW_FLOATS for layer in layers)
+    return any(getattr(layer, "compute_dtype", None) in LOW_FLOATS for layer in layers)
 
 
 def upcasting_reverse_head(layer: Any) -> bool:
@@ -195,7 +194,7 @@ def upcasting_reverse_head(layer: Any) -> bool:
         and isinstance(layer, reversible)
         and getattr(layer, "tie_weights", False)
         and getattr(layer, "reverse_dtype", "set") is None
-        and layer.compute_dtype in _LOW_FLOATS
+        and layer.compute_dtype in LOW_FLOATS
     )
 
 
@@ -299,7 +298,7 @@ def float32_outputs(model: keras.Model) -> keras.Model:
                 heads[id(new)] = "replaced"
                 return new
             activation = getattr(layer, "activation", None)
-            if activation is not None and _activation_name(activation) not in _LINEAR_NAMES:
+            if activation is not None and activation_name(activation) not in _LINEAR_NAMES:
                 config["activation"] = "linear"
                 new = layer.__class__.from_config(config)
                 heads[id(new)] = activation

@@ -33,7 +33,7 @@ import keras
 from keras import ops
 
 from kmp import _checks
-from kmp._names import MASTER_WEIGHTS
+from kmp._names import LOW_FLOATS, MASTER_WEIGHTS
 
 __all__ = [
     "DEFAULT_MASTER_WEIGHTS",
@@ -50,7 +50,7 @@ __all__ = [
 
 DEFAULT_MASTER_WEIGHTS = "auto"
 DEFAULT_ROUNDING_SEED = 0
-LOW_PRECISION = ("float16", "bfloat16")
+LOW_PRECISION = LOW_FLOATS  # the name master_weights has always exported
 EXACT = "exact"  # what update_mode says for a float32 (or wider) weight
 
 

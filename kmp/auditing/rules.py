@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kmp._names import MIXED_POLICIES
+from kmp._names import LOW_FLOATS, MIXED_POLICIES
 from kmp.auditing.report import UNKNOWN, Finding, LayerFacts
 from kmp.master_weights import update_mode
 
@@ -21,7 +21,6 @@ __all__ = [
     "output_findings",
 ]
 
-LOW = ("float16", "bfloat16")
 LARGE_VOCAB = 2048
 _RISKY_ACTIVATIONS = ("softmax", "sigmoid", "log_softmax")
 _LARGE_LAYER_PARAMS = 100_000
@@ -69,7 +68,7 @@ def _not_checked(f: LayerFacts) -> list[Finding]:
 
 
 def _activation(f: LayerFacts) -> list[Finding]:
-    if not (f.compute in LOW and f.activation in _RISKY_ACTIVATIONS and f.makes_output):
+    if not (f.compute in LOW_FLOATS and f.activation in _RISKY_ACTIVATIONS and f.makes_output):
         return []
     return [
         Finding(
@@ -84,7 +83,7 @@ def _activation(f: LayerFacts) -> list[Finding]:
 
 
 def _variables(f: LayerFacts, ctx: AuditContext) -> list[Finding]:
-    low = sorted({d for d in f.variable_dtypes if d in LOW})
+    low = sorted({d for d in f.variable_dtypes if d in LOW_FLOATS})
     if not low:
         return []
     stored = f"variables stored in {', '.join(low)}"
@@ -119,7 +118,12 @@ def _lossy(f: LayerFacts, message: str) -> Finding:
 
 def _norm(f: LayerFacts) -> list[Finding]:
     probe = f.norm_probe
-    if "norm" not in f.kinds or f.compute not in LOW or probe is None or probe.status == "ok":
+    if (
+        "norm" not in f.kinds
+        or f.compute not in LOW_FLOATS
+        or probe is None
+        or probe.status == "ok"
+    ):
         return []
     if probe.status == "unknown":
         return [
@@ -144,11 +148,11 @@ def _norm(f: LayerFacts) -> list[Finding]:
 
 
 def _attention(f: LayerFacts) -> list[Finding]:
-    softmax_low = [d for d in f.softmax_computes if d in LOW]
+    softmax_low = [d for d in f.softmax_computes if d in LOW_FLOATS]
     is_attention = "attention" in f.kinds
     if not is_attention and not ("softmax" in f.kinds and not f.makes_output):
         return []
-    if f.compute not in LOW and not softmax_low:
+    if f.compute not in LOW_FLOATS and not softmax_low:
         return []
     out = []
     probe = f.mask_probe
@@ -163,7 +167,7 @@ def _attention(f: LayerFacts) -> list[Finding]:
                 "or NaN. Build the mask with the dtype's own minimum, or apply it in float32.",
             )
         )
-    dtype = f.compute if f.compute in LOW else softmax_low[0]
+    dtype = f.compute if f.compute in LOW_FLOATS else softmax_low[0]
     soft = "softmax" if not is_attention else "attention scores"
     if is_attention and f.softmax_computes and not softmax_low:
         soft, severity = "attention scores (the softmax itself is float32)", "info"
@@ -197,7 +201,7 @@ def _attention(f: LayerFacts) -> list[Finding]:
 
 
 def _embedding(f: LayerFacts) -> list[Finding]:
-    low = sorted({d for d in f.consumer_computes if d in LOW})
+    low = sorted({d for d in f.consumer_computes if d in LOW_FLOATS})
     if "embedding" not in f.kinds or f.compute != "float32" or not low:
         return []
     return [
@@ -217,7 +221,7 @@ def _float32_layer(f: LayerFacts, ctx: AuditContext) -> list[Finding]:
     skip = {"head", "input", "model", "norm", "softmax"}
     if f.compute != "float32" or f.kinds & skip or f.in_float32_parent:
         return []
-    low_neighbours = sorted({d for d in f.neighbour_computes if d in LOW})
+    low_neighbours = sorted({d for d in f.neighbour_computes if d in LOW_FLOATS})
     if _embedding(f) or not (ctx.mixed or low_neighbours):
         return []
     share = f.params / max(ctx.total_params, 1)
@@ -305,7 +309,7 @@ def output_findings(index: int, layer: str, dtype: str, last_dim: int | None) ->
         ``large-vocab-16bit`` (error) for a 16-bit output with more than 2,048 classes,
         ``low-precision-output`` (error) for another 16-bit output, else nothing.
     """
-    if dtype not in LOW:
+    if dtype not in LOW_FLOATS:
         return []
     if last_dim is not None and not math.isnan(last_dim) and last_dim > LARGE_VOCAB:
         return [

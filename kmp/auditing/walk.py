@@ -15,14 +15,14 @@ from typing import Any
 
 import keras
 
+from kmp._names import LOW_FLOATS
 from kmp.auditing.probe import Prober
 from kmp.auditing.report import UNKNOWN, LayerFacts, LayerRow
 from kmp.float32_layers import KEPT_MARK
-from kmp.layers import Float32Output, _activation_name
+from kmp.layers import Float32Output, activation_name
 
 __all__ = ["Visit", "layer_facts", "layer_row", "model_output_layers", "walk"]
 
-LOW = ("float16", "bfloat16")
 _ATTENTION_CLASSES: tuple[type, ...] = tuple(
     c
     for c in (
@@ -184,7 +184,7 @@ def layer_facts(
     layer = v.layer
     compute = _compute(layer)
     try:
-        activation = _activation_name(getattr(layer, "activation", None))
+        activation = activation_name(getattr(layer, "activation", None))
     except Exception:
         activation = "unknown:activation"
     kinds = _kinds(layer, activation)
@@ -215,10 +215,10 @@ def layer_facts(
         problem=None if compute != UNKNOWN else "its compute dtype cannot be read",
     )
     inside_attention = any("attention" in _kinds(p, None) for p in v.parents)
-    if compute in LOW and "norm" in kinds:
+    if compute in LOW_FLOATS and "norm" in kinds:
         facts = dataclasses.replace(facts, norm_probe=prober.norm(layer))
     is_softmax_layer = isinstance(layer, keras.layers.Softmax) and not facts.makes_output
-    low = compute in LOW or any(s in LOW for s in softmaxes)
+    low = compute in LOW_FLOATS or any(s in LOW_FLOATS for s in softmaxes)
     if low and not inside_attention and ("attention" in kinds or is_softmax_layer):
         facts = dataclasses.replace(facts, mask_probe=prober.attention_mask(layer))
     if inside_attention and "softmax" in kinds:  # reported once, on the attention layer

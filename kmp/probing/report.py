@@ -21,6 +21,7 @@ import dataclasses
 import json
 from typing import Any
 
+from kmp._names import LOW_FLOATS
 from kmp.probing.stats import FLOAT16_MAX, FLOAT16_SMALLEST, ValueStats
 
 __all__ = ["LOSS_TOLERANCE", "LayerNumbers", "ProbeReport", "VariableNumbers"]
@@ -112,7 +113,7 @@ class ProbeReport:
 
     def _at_risk(self) -> set[str]:
         """The layers float16's range can hurt: those computing in float16 (see the module)."""
-        low = {n.name for n in self.layers if n.compute_dtype in ("float16", "bfloat16")}
+        low = {n.name for n in self.layers if n.compute_dtype in LOW_FLOATS}
         if not low:
             return {n.name for n in self.layers}
         return {n.name for n in self.layers if n.compute_dtype == "float16"}
