@@ -1,4 +1,4 @@
-"""The shape of kmp/: imports flow one way, no cycles, small modules.
+"""The shape of kmp/: imports flow one way, no cycles, small modules, private names kept home.
 
 The layers are those of docs/architecture.md; a module may import its own layer
 and the layers below it, never one above. Every ``import`` counts, also the lazy
@@ -205,6 +205,67 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
         "kmp.commands.launch",
     }
     assert layer_of("kmp.compat.keras2") > layer_of("kmp.policy")
+
+
+def private_names_used(path: Path, here: str | None = None) -> Iterator[tuple[str, int]]:
+    """Yield ``(module._name, line)`` for each private name ``path`` takes from another module.
+
+    ``from kmp.x import _y`` and ``x._y`` (``x`` a kmp module it imported) count; private
+    modules (``kmp._names``) and dunders (``__version__``) do not.
+    """
+    here = here or module_name(path)
+    tree = ast.parse(path.read_text(), str(path))
+    modules: dict[str, str] = {}  # local name -> the kmp module it is
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kmp"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in MODULES:
+                    modules[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    yield full, node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("kmp.") and alias.asname:
+                    modules[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            full = f"{modules[node.value.id]}.{node.attr}"
+            if full not in MODULES and modules[node.value.id] != here:
+                yield full, node.lineno
+
+
+def test_no_private_name_crosses_modules():
+    crossing = [
+        f"{path.relative_to(KMP.parent)}:{line}: uses {name}"
+        for mod, path in MODULES.items()
+        for name, line in private_names_used(path, mod)
+    ]
+    assert not crossing, (
+        "private names used outside their module (give them a public name, or move them to "
+        "the module that uses them):\n" + "\n".join(crossing)
+    )
+
+
+def test_the_private_name_check_can_fail(tmp_path):
+    src = tmp_path / "probe.py"
+    src.write_text(
+        "from kmp import _checks, data as d\n"
+        "from kmp.layers import _hidden, __doc__\n"
+        "def f():\n"
+        "    return d._epoch_seed(1, 2), _checks._private\n"
+    )
+    assert {n for n, _ in private_names_used(src, here="kmp.policy")} == {
+        "kmp.layers._hidden",
+        "kmp.data._epoch_seed",
+        "kmp._checks._private",
+    }
 
 
 def test_modules_are_small():
