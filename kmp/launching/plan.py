@@ -178,7 +178,8 @@ def build_command(
     Raises:
         LaunchError: ``np < 1``, a missing script, an unknown controller or
             policy, a missing identity file, a bad port or interface name, or hosts
-            with fewer slots than ``np``; bad elastic options.
+            with fewer slots than ``np``; bad elastic options; a ``gloo_timeout``
+            that is not an integer >= 1, or one given with MPI or the JAX engine.
     """
     if elastic is not None and hosts:
         raise LaunchError(
