@@ -98,21 +98,32 @@ def resolve(module: str, name: str) -> str:
     return candidate if candidate in MODULES else module
 
 
+def package_of(path: Path, here: str) -> str:
+    """The package that relative imports in ``path`` (module ``here``) start from."""
+    return here if path.name == "__init__.py" else here.rpartition(".")[0]
+
+
+def from_base(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module of ``from BASE import ...``, relative imports resolved."""
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join([*anchor, base] if base else anchor)
+    return base
+
+
 def imports_of(path: Path, here: str | None = None) -> Iterator[tuple[str, int]]:
     """Yield ``(imported kmp module, line)`` for every import in ``path`` (module ``here``)."""
     here = here or module_name(path)
-    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    package = package_of(path, here)
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == "kmp" or alias.name.startswith("kmp."):
                     yield alias.name, node.lineno
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
+            base = from_base(node, package)
             if base == "kmp" or base.startswith("kmp."):
                 for alias in node.names:
                     yield resolve(base, alias.name), node.lineno
@@ -214,12 +225,14 @@ def private_names_used(path: Path, here: str | None = None) -> Iterator[tuple[st
     modules (``kmp._names``) and dunders (``__version__``) do not.
     """
     here = here or module_name(path)
+    package = package_of(path, here)
     tree = ast.parse(path.read_text(), str(path))
     modules: dict[str, str] = {}  # local name -> the kmp module it is
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kmp"):
+        base = from_base(node, package) if isinstance(node, ast.ImportFrom) else ""
+        if base == "kmp" or base.startswith("kmp."):
             for alias in node.names:
-                full = f"{node.module}.{alias.name}"
+                full = f"{base}.{alias.name}"
                 if full in MODULES:
                     modules[alias.asname or alias.name] = full
                 elif alias.name.startswith("_") and not alias.name.startswith("__"):
@@ -258,11 +271,13 @@ def test_the_private_name_check_can_fail(tmp_path):
     src.write_text(
         "from kmp import _checks, data as d\n"
         "from kmp.layers import _hidden, __doc__\n"
+        "from .loss_scale import _rule\n"
         "def f():\n"
         "    return d._epoch_seed(1, 2), _checks._private\n"
     )
     assert {n for n, _ in private_names_used(src, here="kmp.policy")} == {
         "kmp.layers._hidden",
+        "kmp.loss_scale._rule",
         "kmp.data._epoch_seed",
         "kmp._checks._private",
     }
