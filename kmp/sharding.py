@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 from kmp._checks import check_int
+from kmp._names import LOW_FLOATS
 
 __all__ = [
     "MAX_SEED",
@@ -131,7 +132,7 @@ def compute_dtype(dtype: Any) -> str:
     if dtype is None:
         return keras.config.dtype_policy().compute_dtype
     name = keras.backend.standardize_dtype(dtype)
-    if name not in ("float16", "bfloat16", "float32", "float64"):
+    if name not in (*LOW_FLOATS, "float32", "float64"):
         raise ValueError(
             f"dtype must be a floating dtype (float16, bfloat16, float32, float64), got "
             f"{dtype!r}. Leave it None to follow the current Keras policy."
