@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "wrap_optimizer": "kmp._dispatch",
     "OptimizerSettings": "kmp.optimizer_settings",
     "load_model": "kmp.saving",
+    "save_model": "kmp.saving",
     "configure_gpus": "kmp.gpu",
     "callbacks": "kmp.callbacks",
     "compat": "kmp.compat",
@@ -71,7 +72,7 @@ if _TYPE_CHECKING:  # pragma: no cover  (static analysers see the lazy names)
     from kmp.optimizer_settings import OptimizerSettings  # noqa: F401
     from kmp.policy import PolicyChoice, current_policy, disable, enable, policy_scope  # noqa: F401
     from kmp.probing import ProbeReport, probe  # noqa: F401
-    from kmp.saving import load_model  # noqa: F401
+    from kmp.saving import load_model, save_model  # noqa: F401
 
 
 def __getattr__(name: str) -> _Any:

@@ -1,36 +1,240 @@
-"""Loading models that use kmp's layers and optimizer."""
+"""Saving and loading the whole training state: :func:`save_model`, :func:`load_model`.
+
+A checkpoint is one ``.keras`` archive: Keras's own entries (config, weights, the
+compiled optimizer with every variable) plus kmp's :data:`kmp.training_state.ENTRY`
+(the random-number generators' states, where training stood, and a manifest). It is
+written atomically (:func:`kmp._files.atomic_write`).
+
+Loading restores all of it on any model. Keras compiles a loaded model from its file
+only when the class keeps Keras's own ``compile``; a class that overrides it (every
+KerasHub task, many subclassed models) comes back with whatever its constructor
+compiled, or uncompiled, and the saved optimizer's state is dropped with a warning.
+:func:`load_model` compiles such a model itself, through the model's own ``compile``,
+with the saved optimizer, loss and metrics, then loads the optimizer's variables. An
+optimizer that still does not come back as saved (its class, or its step count) is an
+error, never a silent replacement.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import warnings
+import zipfile
 from typing import Any
 
 import keras
 
-__all__ = ["load_model"]
+from kmp import training_state as _ts
+from kmp._files import atomic_write
+
+__all__ = ["load_model", "read_state", "save_model"]
+
+# Keras's warnings when it drops a saved optimizer (kmp acts on them instead).
+_SKIPPED_COMPILE = "`compile()` was not called as part of model loading"
+_SKIPPED_OPTIMIZER = "Skipping variable loading for optimizer"
 
 
-def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
-    """Load a ``.keras`` model saved with kmp's layers or optimizer in it.
-
-    ``kmp.layers.Float32Output`` and kmp's optimizer are registered with Keras
-    when their modules are imported; ``import kmp`` is lazy, so a fresh process
-    calling ``keras.saving.load_model`` directly may not know them yet. This
-    imports both, then calls ``keras.saving.load_model(path, **kwargs)``.
+def save_model(
+    model: keras.Model,
+    path: str | os.PathLike,
+    *,
+    epoch: int = 0,
+    step: int = 0,
+    data_seed: int | None = None,
+    rank_seed_states: tuple | None = None,
+    temp_prefix: str = ".tmp-",
+) -> str:
+    """Save ``model`` and its training state to a ``.keras`` file, atomically.
 
     Args:
-        path: A file written by ``model.save("model.keras")``.
-        **kwargs: Passed to ``keras.saving.load_model`` (e.g. ``compile=False``).
+        model: The model (compiled, so that its optimizer is saved too).
+        path: The file; it must end with ``.keras``.
+        epoch: Epochs completed (what ``fit(initial_epoch=...)`` resumes with).
+        step: Batches of the next epoch done (0 at an epoch's end).
+        data_seed: The shuffle seed of the data pipeline (e.g. ``kmp.data.load``'s),
+            checked when resuming.
+        rank_seed_states: Every rank's random-generator states, from
+            :func:`kmp.training_state.gather_seed_states` called on all ranks
+            (:class:`kmp.callbacks.AtomicCheckpoint` does); None saves this
+            process's, which every rank then resumes with.
+        temp_prefix: How the temporary file's name starts (checkpoint finders skip it).
 
     Returns:
-        The model, with its optimizer state (loss scale included) when compiled.
+        ``path`` as a string.
+
+    Raises:
+        TypeError: ``model`` is not a Keras model.
+        ValueError: ``path`` does not end with ``.keras``.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"kmp.save_model needs a keras.Model; got {type(model).__name__}.")
+    path = os.fspath(path)
+    if not path.endswith(".keras"):
+        raise ValueError(
+            f"kmp.save_model({path!r}): the file must end with '.keras' (the whole training "
+            "state); for the weights alone use model.save_weights('....weights.h5')."
+        )
+    state = _ts.capture(
+        model, epoch=epoch, step=step, data_seed=data_seed, rank_seed_states=rank_seed_states
+    )
+
+    def write(tmp: str) -> None:
+        model.save(tmp)
+        with zipfile.ZipFile(tmp, "a") as archive:
+            archive.writestr(_ts.ENTRY, state.to_json())
+
+    return atomic_write(path, write, temp_prefix=temp_prefix)
+
+
+def read_state(path: str | os.PathLike) -> _ts.TrainingState | None:
+    """Return the training state saved in a ``.keras`` file (None: a plain Keras file).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        ValueError: The file is not a ``.keras`` archive, or its state is unreadable.
     """
+    with _archive(path) as archive:
+        if _ts.ENTRY not in archive.namelist():
+            return None
+        return _ts.TrainingState.from_json(archive.read(_ts.ENTRY))
+
+
+def _archive(path: str | os.PathLike) -> zipfile.ZipFile:
+    path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"No saved model at {os.fspath(path)!r}.")
-    import kmp.layers  # registers Float32Output
+        raise FileNotFoundError(f"No saved model at {path!r}.")
+    try:
+        return zipfile.ZipFile(path)
+    except zipfile.BadZipFile as exc:
+        raise ValueError(
+            f"{path!r} is not a .keras archive ({exc}); kmp.load_model reads files written by "
+            "model.save('....keras') or kmp.save_model."
+        ) from exc
+
+
+def _compile_config(path: str) -> dict | None:
+    with _archive(path) as archive:
+        config = json.loads(archive.read("config.json"))
+    return config.get("compile_config") or None
+
+
+def _keras_skips_compile(model: keras.Model) -> bool:
+    """Keras's rule: a class overriding ``compile`` but not ``compile_from_config`` is skipped."""
+    cls = type(model)
+    return cls.compile is not keras.Model.compile and (
+        cls.compile_from_config is keras.Model.compile_from_config
+    )
+
+
+def _compile_as_saved(model: keras.Model, path: str, compile_config: dict) -> None:
+    """Compile ``model`` with its saved optimizer, loss and metrics, then load their state."""
+    config = keras.saving.deserialize_keras_object(compile_config)
+    model.compile(**config)  # the model's own compile: a KerasHub task keeps its behaviour
+    if model.built:
+        model.optimizer.build(model.trainable_variables)
+    model.load_weights(path)  # weights again, and now the optimizer's variables
+
+
+def _saved_optimizer_name(compile_config: dict | None) -> str | None:
+    optimizer = (compile_config or {}).get("optimizer")
+    if not isinstance(optimizer, dict):
+        return None
+    return optimizer.get("registered_name") or optimizer.get("class_name")
+
+
+def _check_optimizer(model: keras.Model, path: str, saved_name: str | None, state: Any) -> None:
+    """Raise when the optimizer did not come back as it was saved."""
+    optimizer = getattr(model, "optimizer", None)
+    if saved_name is None:
+        return
+    have = None if optimizer is None else keras.saving.get_registered_name(type(optimizer))
+    if have != saved_name and (optimizer is None or type(optimizer).__name__ != saved_name):
+        raise ValueError(
+            f"{path!r} was saved with the optimizer {saved_name}, but the loaded "
+            f"{type(model).__name__} came back with {have}. Load it with compile=False and "
+            "compile it yourself, or report this model class to kmp."
+        )
+    if state is not None and state.iterations is not None:
+        now = int(keras.ops.convert_to_numpy(optimizer.iterations))
+        if now != state.iterations:
+            raise ValueError(
+                f"{path!r}: the optimizer was saved at step {state.iterations}, but the "
+                f"loaded one is at step {now}: its state (moments, loss scale) was not "
+                "restored. Load it with compile=False to get the weights alone."
+            )
+
+
+def _follow_world(model: keras.Model, state: Any) -> None:
+    """Warn, and rescale a world-size-scaled learning rate, when the world size changed."""
+    from kmp import distributed
+
+    optimizer = getattr(model, "optimizer", None)
+    scale_lr = bool(getattr(optimizer, "scale_lr", False))
+    change = _ts.world_change(state.world_size, distributed.size(), scale_lr=scale_lr)
+    if change is None:
+        return
+    if change.lr_factor is not None:
+        optimizer.rescale_learning_rate(change.lr_factor)
+    warnings.warn(change.note, UserWarning, stacklevel=3)
+
+
+def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
+    """Load a ``.keras`` model with its whole training state.
+
+    Works on any model: Sequential, Functional, subclassed (also classes that
+    override ``compile``), KerasHub tasks, keras.applications. Restored: the
+    weights; the optimizer as saved (class, settings, every variable); with a
+    file written by :func:`save_model` (or :class:`kmp.callbacks.AtomicCheckpoint`)
+    also the random-number generators' states. kmp's layers and optimizer are
+    registered with Keras first, so a fresh process needs nothing else.
+
+    A checkpoint written by another number of processes loads with a warning
+    that says what changes (:func:`kmp.training_state.world_change`); a
+    learning rate scaled by the world size follows the new size.
+
+    Args:
+        path: A file written by :func:`save_model` or ``model.save("m.keras")``.
+        **kwargs: Passed to ``keras.saving.load_model`` (e.g. ``compile=False``:
+            the weights without the optimizer).
+
+    Returns:
+        The model.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: Not a ``.keras`` archive; or the saved optimizer or the
+            random state could not be restored (the message says what to do).
+    """
+    path = os.fspath(path)
+    compile_config = _compile_config(path)
+    state = read_state(path)
+    import kmp.layers  # registers Float32Output(s)
     import kmp.optimizer  # noqa: F401  (registers the wrapped optimizer)
 
-    return keras.saving.load_model(path, **kwargs)
+    compiling = kwargs.get("compile", True) and compile_config is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = keras.saving.load_model(path, **kwargs)
+    for w in caught:
+        text = str(w.message)
+        if compiling and (_SKIPPED_OPTIMIZER in text or _SKIPPED_COMPILE in text):
+            continue  # handled below
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if compiling:
+        if _keras_skips_compile(model) or _optimizer_dropped(caught):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_SKIPPED_OPTIMIZER)
+                _compile_as_saved(model, path, compile_config)
+        _check_optimizer(model, path, _saved_optimizer_name(compile_config), state)
+    if state is not None:
+        from kmp import distributed
+
+        _ts.restore_rng(model, state, rank=distributed.rank())
+        if compiling:
+            _follow_world(model, state)
+    return model
+
+
+def _optimizer_dropped(caught: list) -> bool:
+    return any(_SKIPPED_OPTIMIZER in str(w.message) for w in caught)

@@ -60,6 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp.sharding",
             "kmp.data",
             "kmp.datasets",
+            "kmp.training_state",
             "kmp.saving",
         ),
     ),

@@ -16,6 +16,8 @@ from kmp import distributed
 from kmp._checks import check_bool, check_choice, check_int
 from kmp._files import atomic_write
 from kmp.callbacks._ranks import is_chief, to_float
+from kmp.saving import save_model
+from kmp.training_state import gather_seed_states
 
 __all__ = [
     "DEFAULT_CHECKPOINT_NAME",
@@ -156,11 +158,15 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         mode: ``"min"``, ``"max"``, or ``"auto"`` (max for accuracy/AUC-like names).
         save_best_only: Save only when ``monitor`` improved.
         save_weights_only: Save weights (``.weights.h5``) rather than the whole
-            model (``.keras``, optimizer and loss-scale state included).
+            training state (``.keras`` through :func:`kmp.saving.save_model`: the
+            optimizer with every variable, the random generators' states, the
+            epoch and a manifest; :func:`kmp.load_model` restores all of it).
         keep: Keep only the newest ``keep`` checkpoints of this name pattern
             (None keeps all). Needs an ``{epoch}`` field in the name.
         save_freq: Save every ``save_freq`` epochs.
         verbose: 1 (or 2) prints a line per checkpoint written.
+        data_seed: The data pipeline's shuffle seed (``kmp.data.load(seed=...)``),
+            recorded in the checkpoint so a resume can check it reads the same order.
 
     Raises:
         TypeError: An argument has the wrong type (e.g. ``keep="3"``).
@@ -180,6 +186,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         keep: int | None = None,
         save_freq: int = 1,
         verbose: int = 0,
+        data_seed: int | None = None,
     ):
         super().__init__()
         filepath = os.fspath(filepath)
@@ -239,6 +246,9 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         self.keep = keep
         self.save_freq = save_freq
         self.verbose = verbose
+        if data_seed is not None:
+            data_seed = check_int("AtomicCheckpoint(data_seed)", data_seed, minimum=0)
+        self.data_seed = data_seed
         self.best = -math.inf if mode == "max" else math.inf
         self.last_saved: str | None = None
         self.saved: list[str] = []  # every file this callback wrote (on the chief only)
@@ -260,7 +270,12 @@ class AtomicCheckpoint(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Save a checkpoint on the chief when due (and improved with ``save_best_only``)."""
-        if not is_chief() or (epoch + 1) % self.save_freq:
+        if (epoch + 1) % self.save_freq:
+            return
+        # Every rank's dropout state, gathered on every rank (a collective) before the
+        # chief alone decides and writes.
+        seeds = None if self.save_weights_only else gather_seed_states(self.model)
+        if not is_chief():
             return
         logs = logs or {}
         if self.save_best_only:
@@ -287,8 +302,15 @@ class AtomicCheckpoint(keras.callbacks.Callback):
             with distributed.alone():  # the chief saves without the other processes
                 atomic_save(path, self.model.save_weights)
         else:
-            with distributed.alone():
-                atomic_save(path, self.model.save)
+            with distributed.alone():  # the model, its optimizer and the training state
+                save_model(
+                    self.model,
+                    path,
+                    epoch=epoch + 1,
+                    data_seed=self.data_seed,
+                    rank_seed_states=seeds,
+                    temp_prefix=_TMP_PREFIX,
+                )
         self.last_saved = path
         self.saved.append(path)
         if self.verbose:
@@ -309,4 +331,5 @@ class AtomicCheckpoint(keras.callbacks.Callback):
             "keep": self.keep,
             "save_freq": self.save_freq,
             "verbose": self.verbose,
+            "data_seed": self.data_seed,
         }
