@@ -194,7 +194,8 @@ def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
     learning rate scaled by the world size follows the new size.
 
     Args:
-        path: A file written by :func:`save_model` or ``model.save("m.keras")``.
+        path: A file written by :func:`save_model` or ``model.save("m.keras")``
+            (a legacy ``.h5`` model is passed to Keras as it is).
         **kwargs: Passed to ``keras.saving.load_model`` (e.g. ``compile=False``:
             the weights without the optimizer).
 
@@ -207,10 +208,13 @@ def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
             random state could not be restored (the message says what to do).
     """
     path = os.fspath(path)
-    compile_config = _compile_config(path)
-    state = read_state(path)
     import kmp.layers  # registers Float32Output(s)
     import kmp.optimizer  # noqa: F401  (registers the wrapped optimizer)
+
+    if os.path.exists(path) and not path.endswith(".keras") and not zipfile.is_zipfile(path):
+        return keras.saving.load_model(path, **kwargs)  # a legacy .h5 model: Keras's alone
+    compile_config = _compile_config(path)
+    state = read_state(path)
 
     compiling = kwargs.get("compile", True) and compile_config is not None
     with warnings.catch_warnings(record=True) as caught:

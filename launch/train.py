@@ -237,7 +237,13 @@ def resume_or_build(run: Run, path: str | None, initial_epoch: int):
     """The model: loaded from ``path`` when this rank can read it, else built and compiled."""
     args, kmp = run.args, run.kmp
     if path and os.path.exists(path):
-        model = kmp.load_model(path)  # registers kmp's layer and optimizer classes first
+        model = kmp.load_model(path)  # the whole training state, on any model
+        saved_seed = kmp.saving.read_state(path).data_seed if path.endswith(".keras") else None
+        if saved_seed is not None and saved_seed != args.seed:
+            log(
+                f"warning: {path} was trained on data shuffled with --seed {saved_seed}; this "
+                f"run uses --seed {args.seed}, so its epochs come in another order"
+            )
         model.jit_compile = kmp.xla.step_jit_compile()  # this backend's, not the saver's
         log(f"resumed from {path}: epoch {initial_epoch}, loss scale {loss_scale_of(model)[0]}")
     else:
@@ -275,6 +281,7 @@ def make_callbacks(run: Run, extra: list) -> list:
         warmup_epochs=(args.warmup_epochs or None) if args.lr_schedule == "constant" else None,
         checkpoint_dir=args.checkpoint_dir,
         keep=args.keep_checkpoints,
+        data_seed=args.seed,  # recorded in each checkpoint, checked when resuming
         extra=extra,
         verbose=1,
     )

@@ -28,6 +28,7 @@ def default_callbacks(
     checkpoint_dir: str | os.PathLike | None = None,
     keep: int | None = 3,
     save_weights_only: bool = False,
+    data_seed: int | None = None,
     tensorboard_dir: str | os.PathLike | None = None,
     csv_path: str | os.PathLike | None = None,
     extra: Sequence[keras.callbacks.Callback] = (),
@@ -50,6 +51,7 @@ def default_callbacks(
         checkpoint_dir: Add :class:`AtomicCheckpoint` writing there.
         keep: Checkpoints kept.
         save_weights_only: Checkpoint weights only.
+        data_seed: The data pipeline's shuffle seed, recorded in each checkpoint.
         tensorboard_dir: Add a chief-only ``keras.callbacks.TensorBoard``.
         csv_path: Add a chief-only ``keras.callbacks.CSVLogger``.
         extra: More callbacks, run after the kmp ones and before the writers.
@@ -87,7 +89,11 @@ def default_callbacks(
     if checkpoint_dir is not None:
         callbacks.append(
             AtomicCheckpoint(
-                checkpoint_dir, keep=keep, save_weights_only=save_weights_only, verbose=verbose
+                checkpoint_dir,
+                keep=keep,
+                save_weights_only=save_weights_only,
+                verbose=verbose,
+                data_seed=data_seed,
             )
         )
     if tensorboard_dir is not None:
