@@ -21,6 +21,7 @@ import pytest
 
 import kmp
 from kmp import training_state as ts
+from kmp.saving import read_state
 from tests._support import run_workers
 
 HAS_HUB = importlib.util.find_spec("keras_hub") is not None
@@ -93,7 +94,7 @@ def test_without_the_random_state_dropout_resumes_elsewhere(tmp_path):
     stopped = dropout_model("float32")
     stopped.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     stopped.save(tmp_path / "plain.keras")  # Keras alone: no kmp state entry
-    assert kmp.saving.read_state(tmp_path / "plain.keras") is None
+    assert read_state(tmp_path / "plain.keras") is None
     keras.utils.set_random_seed(99)
     resumed = kmp.load_model(tmp_path / "plain.keras")
     resumed.fit(x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
@@ -109,7 +110,7 @@ def test_the_state_entry_records_position_rng_and_manifest(tmp_path):
         names = archive.namelist()
         raw = json.loads(archive.read(ts.ENTRY))
     assert {"config.json", "model.weights.h5", ts.ENTRY} <= set(names)
-    state = kmp.saving.read_state(path)
+    state = read_state(path)
     assert state.epoch == 1 and state.step == 0 and state.data_seed == 7
     assert state.iterations == 3 and state.optimizer == "kmp>DistributedLossScaleOptimizer"
     assert state.policy == "bfloat16" and state.master_weights == "stochastic"
@@ -202,7 +203,7 @@ def test_a_checkpoint_of_another_world_size_loads_with_the_note_and_rescaled_lr(
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     path = kmp.save_model(model, tmp_path / "m.keras", epoch=1)
     # As a 2-rank job with scale_lr=True would have written it:
-    state = kmp.saving.read_state(path)
+    state = read_state(path)
     two = dataclasses.replace(state, world_size=2, seed_states=state.seed_states * 2)
     rewrite_entry(path, two.to_json())
     lr = float(model.optimizer.learning_rate.numpy())
@@ -230,7 +231,7 @@ def test_bad_input_is_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match=r"not a \.keras archive"):
         kmp.load_model(tmp_path / "junk.keras")
     path = kmp.save_model(model, tmp_path / "m.keras")
-    future = json.loads(kmp.saving.read_state(path).to_json())
+    future = json.loads(read_state(path).to_json())
     rewrite_entry(path, json.dumps({**future, "format": ts.FORMAT + 1}))
     with pytest.raises(ValueError, match="newer than this kmp reads"):
         kmp.load_model(path)
@@ -241,7 +242,7 @@ def test_a_model_with_other_random_layers_is_refused(tmp_path):
     path = kmp.save_model(model, tmp_path / "m.keras")
     other = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
     with pytest.raises(ValueError, match=r"1 random-number generator.*has 0"):
-        ts.restore_rng(other, kmp.saving.read_state(path))
+        ts.restore_rng(other, read_state(path))
 
 
 # ---- 2 real ranks --------------------------------------------------------------------
@@ -278,3 +279,11 @@ def test_a_job_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path):
         got = r["cases"][spec]
         assert got["epoch"] == 1
         assert got["resumed_vs_straight"] == 0.0 and got["ranks"] == 0.0
+    # The same 2-rank checkpoint in this single process: loaded, with the note.
+    path = tmp_path / "ckpt" / "ckpt-0001.keras"
+    state = read_state(path)
+    assert state.world_size == 2 and state.engine == "horovod" and len(state.seed_states) == 2
+    assert state.seed_states[0] != state.seed_states[1]  # each rank its own dropout masks
+    with pytest.warns(UserWarning, match=r"written by 2 process\(es\) on 1"):
+        alone = kmp.load_model(path)
+    assert int(alone.optimizer.iterations.numpy()) == 3
