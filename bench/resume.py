@@ -14,17 +14,15 @@ Writes bench/results/resume.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import horovod_launcher, machine, markdown_table, write_results
+from _common import machine, markdown_table, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # tests._support: the job runner the tests use
 WORKER = ROOT / "tests" / "distributed" / "worker_resume.py"
 MODELS = ("sequential", "own_compile", "gpt2", "mobilenet")
 POLICIES = (
@@ -38,26 +36,14 @@ POLICIES = (
 
 
 def run_job(engine: str, cases: list[str], np_: int = 2) -> list[dict]:
-    """Run the worker on ``np_`` ranks of ``engine``; return each rank's result."""
+    """Run the tests' worker on ``np_`` ranks of ``engine``; return each rank's result."""
+    from tests._support import run_workers
+
     out = Path(tempfile.mkdtemp(prefix="kmp-resume-"))
-    env = {
-        **os.environ,
-        "KMP_TEST_OUT": str(out),
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-        "OMP_NUM_THREADS": "1",
-    }
-    if engine == "jax":
-        env.pop("KERAS_BACKEND", None)
-        cmd = [sys.executable, "-m", "kmp.cli", "launch", "--engine", "jax", "-np", str(np_)]
-    else:
-        cmd = [*horovod_launcher(), "--gloo", "-np", str(np_), "-H", f"localhost:{np_}"]
-        cmd.append(sys.executable)
-    cmd += [str(WORKER), str(out / "ckpt"), *cases]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{engine} job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(np_)]
+    try:
+        return run_workers(WORKER, str(out / "ckpt"), *cases, np=np_, engine=engine, timeout=3600)
+    except AssertionError as exc:  # the job failed: its output is in the message
+        raise RuntimeError(str(exc)) from exc
 
 
 def main() -> None:
