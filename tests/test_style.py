@@ -14,6 +14,9 @@ def test_ruff_clean():
     if exe is None:
         pytest.skip("ruff is not installed")
     r = subprocess.run(
-        [exe, "check", "kmp", "tests", "bench", "launch"], cwd=ROOT, capture_output=True, text=True
+        [exe, "check", "kmp", "tests", "bench", "launch", "examples"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 0, r.stdout + r.stderr

@@ -18,6 +18,10 @@ collectives return their input).
 ``kmp.wrap_optimizer``'s averaging check) in a job the launcher started as
 several processes raises a ``RuntimeError`` saying to call :func:`init` first,
 so a forgotten ``init()`` never silently trains unsynchronised ranks.
+An engine the script started itself is adopted, not started again: Horovod after
+its own ``hvd.init()`` (by every accessor and :func:`init`), JAX's runtime after
+its own ``jax.distributed.initialize()`` (by :func:`init` only; see
+:mod:`kmp.distributed.world`).
 
 Only Horovod's core TensorFlow collectives are used (``allreduce``,
 ``grouped_allreduce``, ``allgather``, ``broadcast``): Horovod's Keras layer does

@@ -13,10 +13,13 @@ where a variable is expected; their ``.value`` (the ``tf.Variable``) is what Hor
 
 Horovod itself is imported only by :func:`start`; the functions take the
 imported module as their first argument, so importing this module stays light.
+:func:`adopt` takes the Horovod a script initialised itself (``hvd.init()`` before
+kmp), found in ``sys.modules``: it neither imports nor initialises anything.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
@@ -32,6 +35,7 @@ __all__ = [
     "COMPRESSED_PATH",
     "COMPRESSED_PATHS",
     "HorovodEngine",
+    "adopt",
     "grouped_allgather_slices",
     "grouped_allreduce",
     "start",
@@ -65,6 +69,25 @@ def start(launched: int, *, elastic: bool = False) -> HorovodEngine | None:
             ) from exc
         return None
     hvd.init()
+    return HorovodEngine(hvd)
+
+
+def adopt() -> HorovodEngine | None:
+    """The engine around the Horovod the script started itself, or None.
+
+    A script that calls ``hvd.init()`` before kmp (Horovod's own examples, TF1
+    scripts) already runs Horovod; kmp takes that module as its engine rather
+    than initialising it again. Horovod is looked up in ``sys.modules``, never
+    imported, and nothing is started: a getter may call this.
+
+    Returns:
+        The engine when ``horovod.tensorflow`` is imported and
+        ``hvd.is_initialized()``; None otherwise.
+    """
+    hvd = sys.modules.get("horovod.tensorflow")
+    is_initialized = getattr(hvd, "is_initialized", None)
+    if is_initialized is None or not is_initialized():
+        return None
     return HorovodEngine(hvd)
 
 

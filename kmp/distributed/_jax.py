@@ -17,6 +17,10 @@ The collectives here serve what the training loop needs outside the step
 move host values through ``jax.experimental.multihost_utils`` and return NumPy
 arrays; nothing here validates user arguments or handles the single-process
 case (:mod:`kmp.distributed.collectives` does).
+
+A script that joined the process group itself (``jax.distributed.initialize()``
+before kmp; :func:`script_joined` tells, without importing JAX) is adopted by
+:func:`adopt`: everything :func:`start` does but joining.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from kmp.distributed.engines import Engine, Layout, Transport, layout
 
 __all__ = [
     "JaxEngine",
+    "adopt",
     "alone",
     "allgather",
     "barrier",
@@ -46,6 +51,7 @@ __all__ = [
     "grouped_allreduce",
     "install_initial_values_hook",
     "remove_initial_values_hook",
+    "script_joined",
     "start",
 ]
 
@@ -125,8 +131,40 @@ def start(
             "must start and reach the coordinator (process 0's host); check that they all "
             "started, that the port is free and not blocked, or raise KMP_JAX_TIMEOUT."
         ) from exc
+    _distribute()
+
+
+def script_joined() -> bool:
+    """True when the script joined JAX's process group itself (``jax.distributed.initialize()``).
+
+    Asked of JAX's public ``jax.distributed.is_initialized`` when JAX is already
+    imported; JAX is never imported here and nothing is started.
+    """
+    jax = sys.modules.get("jax")
+    is_initialized = getattr(getattr(jax, "distributed", None), "is_initialized", None)
+    return bool(is_initialized is not None and is_initialized())
+
+
+def adopt() -> None:
+    """Take over the process group the script joined itself: :func:`start` without joining.
+
+    ``jax.distributed.initialize`` is not called again; the rest is
+    :func:`start`'s: process 0's random seed everywhere, kmp's ``DataParallel``
+    distribution over every device of every process, and new variables from
+    process 0's values.
+
+    Raises:
+        RuntimeError: This Keras lacks the hook point kmp needs (:data:`HOOK_POINT`).
+    """
+    install_initial_values_hook()
+    _distribute()
+
+
+def _distribute() -> None:
+    """Give every process process 0's seed and set kmp's distribution over every device."""
     import random
 
+    import jax
     import keras
 
     # A variable must be created with the same value on every process (JAX checks it when

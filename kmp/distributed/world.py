@@ -16,6 +16,19 @@ one); :func:`engine` and every collective then raise a ``RuntimeError`` that say
 to call :func:`init` first when the launcher started several processes (or an
 elastic job), and act as a world of one otherwise.
 
+An engine the script started itself is adopted, not started again. A script that
+called ``hvd.init()`` before kmp (Horovod's examples, TF1 scripts) runs Horovod
+already: on the TensorFlow backend every accessor, :func:`engine` and :func:`init`
+take it as the process's engine (:func:`kmp.distributed._horovod.adopt`, which
+looks in ``sys.modules`` and neither imports nor initialises Horovod). Registering
+an engine the script started is not starting one, so the rule above stands: a
+getter never starts an engine. A script that joined JAX's process group itself
+(``jax.distributed.initialize()``) is different: adopting it means setting Keras's
+distribution and seeds, a side effect, so only :func:`init` adopts it
+(:func:`kmp.distributed._jax.adopt`: everything but joining); before that,
+:func:`world` answers from JAX (rank and size, ``engine="none"``) and
+:func:`engine` raises a ``RuntimeError`` that says to call :func:`init`.
+
 Note that the package :mod:`kmp.distributed` re-exports the function
 :func:`world` under the name of this module, so ``kmp.distributed.world`` is the
 function; import from this module as ``from kmp.distributed.world import ...``.
@@ -24,6 +37,7 @@ function; import from this module as ``from kmp.distributed.world import ...``.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 
 from kmp import _launcher_env as _env
@@ -121,6 +135,12 @@ def init(engine: str = "auto") -> World:
     single Horovod process without Horovod installed, it sets up a world of one
     process and does nothing else. A second call returns the same world.
 
+    An engine the script started itself is adopted, not started again: after
+    the script's own ``hvd.init()`` the Horovod engine is that Horovod (its rank
+    and size), and after its own ``jax.distributed.initialize()`` the JAX engine
+    skips joining and does the rest (seed, distribution, process 0's initial
+    values), with the rank and size JAX gives.
+
     It is the one function that starts an engine: call it once at the top of a
     training script, before building the model or wrapping the optimizer. The
     accessors and collectives never call it (see the module docstring).
@@ -145,12 +165,54 @@ def init(engine: str = "auto") -> World:
     chosen = choose_engine(engine, keras.backend.backend(), _env.launched_engine())
     if _STATE.engine is not None:
         return _STATE.world
-    started = _start(chosen)
-    _STATE.world = _world_of(started)
-    _STATE.engine = started
+    started = _adopt(chosen) or _start(chosen)
+    _hold(started)
     if started.name == "horovod":
         _configure_local_gpu(_STATE.world.local_rank)
     return _STATE.world
+
+
+def _hold(running: Engine) -> None:
+    """Make ``running`` the process's engine, and its world the process's world."""
+    _STATE.world = _world_of(running)
+    _STATE.engine = running
+
+
+def _adopt(chosen: str) -> Engine | None:
+    """The ``chosen`` engine when the script started it itself (adopted, not started), else None."""
+    if chosen == "horovod":
+        return _horovod.adopt()
+    if chosen == "jax" and _jax.script_joined():
+        _jax.adopt()
+        return _jax.JaxEngine(*_launcher_place())
+    return None
+
+
+def _launcher_place() -> tuple[int | None, int | None, tuple[int, int] | None]:
+    """The launcher's local rank, local size and ``(cross_rank, cross_size)``, each or None."""
+    return _env.launcher_local_rank(), _env.launcher_local_size(), _env.launcher_cross()
+
+
+def _held() -> Engine | None:
+    """The process's engine: the one :func:`init` holds, or the Horovod the script started.
+
+    The script's own Horovod (``hvd.init()`` before kmp) is adopted on the
+    TensorFlow backend (the Horovod engine's); adopting it starts nothing.
+    """
+    if _STATE.engine is None and _backend_is_tensorflow():
+        adopted = _horovod.adopt()
+        if adopted is not None:
+            _hold(adopted)
+    return _STATE.engine
+
+
+def _backend_is_tensorflow() -> bool:
+    """True on Keras's TensorFlow backend (only asked once Horovod runs in this process)."""
+    if sys.modules.get("horovod.tensorflow") is None:
+        return False  # no Horovod: nothing to adopt, and Keras need not be imported
+    import keras
+
+    return keras.backend.backend() == "tensorflow"
 
 
 def _start(chosen: str) -> Engine:
@@ -253,16 +315,43 @@ def _not_started(what: str) -> RuntimeError:
     )
 
 
+def _jax_size() -> int:
+    """How many processes the JAX runtime the script joined has (0: it joined none)."""
+    if not _jax.script_joined():
+        return 0
+    import jax
+
+    return int(jax.process_count())
+
+
+def _jax_not_adopted(n: int) -> RuntimeError:
+    return RuntimeError(
+        f"kmp.distributed needs its engine: this script joined JAX's process group itself "
+        f"(jax.distributed.initialize(), {n} processes), but kmp.distributed.init() has not "
+        "run, and kmp's getters do not set Keras's distribution behind your back. Call "
+        "kmp.distributed.init() once after jax.distributed.initialize(), before building the "
+        "model or wrapping the optimizer: it adopts the running JAX runtime (no second "
+        "initialize) and sets the data-parallel distribution."
+    )
+
+
 def _launched_world() -> World:
-    """The :class:`World` the launcher announced, before :func:`init` (nothing started)."""
-    n = _launched_size()
-    if n == 1:
-        return _world_of(SINGLE_PROCESS)
-    rank_ = _env.launched_rank()
-    if rank_ is None:
-        raise _not_started("This process's rank is unknown")
-    place = (_env.launcher_local_rank(), _env.launcher_local_size(), _env.launcher_cross())
-    rank_, n, local_rank_, local_size_, cross_rank_, cross_size_ = layout(rank_, n, *place)
+    """The :class:`World` before :func:`init`: JAX's or the launcher's (nothing started)."""
+    n = _jax_size()
+    if n > 1:  # the script joined JAX's process group itself: JAX knows the rank
+        import jax
+
+        known = int(jax.process_index())
+    else:
+        n = _launched_size()
+        if n == 1:
+            return _world_of(SINGLE_PROCESS)
+        known = _env.launched_rank()
+        if known is None:
+            raise _not_started("This process's rank is unknown")
+    rank_, n, local_rank_, local_size_, cross_rank_, cross_size_ = layout(
+        known, n, *_launcher_place()
+    )
     return World(
         rank_, n, local_rank_, local_size_, False, cross_rank=cross_rank_, cross_size=cross_size_
     )
@@ -271,37 +360,48 @@ def _launched_world() -> World:
 def engine() -> Engine:
     """Return the engine that carries this process's collectives, never starting one.
 
-    It is the engine :func:`init` started; before :func:`init`, the
-    single-process engine when the launcher started one process (or none).
+    It is the engine :func:`init` started, or the Horovod the script started
+    itself (``hvd.init()``: adopted, see the module docstring); before
+    :func:`init`, the single-process engine when the launcher started one
+    process (or none).
 
     Raises:
         RuntimeError: The launcher started several processes, or an elastic job,
-            and :func:`init` has not run; the message says to call it.
+            and :func:`init` has not run; or the script joined a JAX process
+            group of several processes itself and :func:`init` has not adopted
+            it. The message says to call :func:`init`.
     """
-    if _STATE.engine is not None:
-        return _STATE.engine
+    running = _held()
+    if running is not None:
+        return running
+    n = _jax_size()
+    if n > 1:
+        raise _jax_not_adopted(n)
     if _launched_size() > 1 or _env.launched_elastic():
         raise _not_started("kmp.distributed needs its engine")
     return SINGLE_PROCESS
 
 
 def is_initialized() -> bool:
-    """Return True once :func:`init` has run (in either mode)."""
-    return _STATE.engine is not None
+    """Return True once :func:`init` has run (either mode) or the script's Horovod is adopted."""
+    return _held() is not None
 
 
 def world() -> World:
     """Return the :class:`World` of this process.
 
-    After :func:`init`, the engine's; before, the one the launcher announced in
-    the environment (``engine="none"``: nothing is started), or a world of one.
+    After :func:`init` (or with the script's own Horovod, adopted), the
+    engine's; before, the one the JAX runtime the script joined gives, or the
+    launcher announced in the environment (``engine="none"``: nothing is
+    started), or a world of one.
     """
-    return _STATE.world if _STATE.engine is not None else _launched_world()
+    return _STATE.world if _held() is not None else _launched_world()
 
 
 def uses_horovod() -> bool:
-    """Return True when Horovod runs the collectives (after :func:`init`, under horovodrun)."""
-    return _STATE.engine is not None and _STATE.engine.name == "horovod"
+    """Return True when Horovod runs the collectives (after :func:`init`, or ``hvd.init()``)."""
+    running = _held()
+    return running is not None and running.name == "horovod"
 
 
 def rank() -> int:
