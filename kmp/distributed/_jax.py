@@ -51,7 +51,9 @@ __all__ = [
     "grouped_allreduce",
     "install_initial_values_hook",
     "remove_initial_values_hook",
+    "distribution_lost",
     "script_joined",
+    "set_distribution",
     "start",
 ]
 
@@ -164,16 +166,30 @@ def _distribute() -> None:
     """Give every process process 0's seed and set kmp's distribution over every device."""
     import random
 
-    import jax
     import keras
 
     # A variable must be created with the same value on every process (JAX checks it when
     # it lays the value out over all devices): every process starts from process 0's seed.
     seed = broadcast_object(random.SystemRandom().randrange(2**31), 0)
     keras.utils.set_random_seed(seed)
+    set_distribution()
+
+
+def set_distribution() -> None:
+    """Set kmp's data-parallel distribution over every device of every process."""
+    import jax
+    import keras
+
     keras.distribution.set_distribution(
         data_parallel_class()(devices=jax.devices(), auto_shard_dataset=False)
     )
+
+
+def distribution_lost() -> bool:
+    """True when kmp's distribution is not Keras's current one (``clear_session()`` drops it)."""
+    import keras
+
+    return not isinstance(keras.distribution.distribution(), data_parallel_class())
 
 
 @functools.cache

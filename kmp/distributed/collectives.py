@@ -19,7 +19,7 @@ from typing import Any
 
 from kmp._checks import check_int
 from kmp._names import normalize_compression, normalize_reduce_op
-from kmp.distributed import sparse
+from kmp.distributed import _jax, sparse
 from kmp.distributed.buckets import check_bucket_bytes
 from kmp.distributed.engines import SINGLE_PROCESS, Engine, Transport
 from kmp.distributed.sparse import DEFAULT_SPARSE_GRADIENTS, check_sparse_gradients
@@ -82,6 +82,7 @@ def check_averaging_runtime(world_size: int) -> None:
 
     Raises:
         RuntimeError: Several ranks on another backend, or inside a strategy's scope;
+            on the JAX engine, kmp's distribution gone (``clear_session()``);
             or a launched multi-process job where :func:`kmp.distributed.init` has
             not run (nothing says which engine would average).
     """
@@ -95,6 +96,14 @@ def check_averaging_runtime(world_size: int) -> None:
             raise RuntimeError(
                 f"The JAX engine runs {world_size} processes, but KERAS_BACKEND is {backend!r}; "
                 "set KERAS_BACKEND=jax (kmp launch --engine jax does)."
+            )
+        if _jax.distribution_lost():
+            raise RuntimeError(
+                f"kmp's data-parallel distribution over the {world_size} JAX processes is no "
+                "longer Keras's distribution (keras.backend.clear_session() drops it, as does "
+                "another keras.distribution.set_distribution): each process would train "
+                "alone and the ranks drift apart. Call kmp.distributed.init() again after "
+                "clear_session(); it sets the distribution again."
             )
         return
     if backend != "tensorflow":

@@ -133,7 +133,9 @@ def init(engine: str = "auto") -> World:
     Horovod's ``BroadcastInitialState`` gives (see :func:`kmp.distributed._jax.start`).
     Started without a launcher, or launched as a
     single Horovod process without Horovod installed, it sets up a world of one
-    process and does nothing else. A second call returns the same world.
+    process and does nothing else. A second call returns the same world (on the
+    JAX engine it sets kmp's distribution again if ``keras.backend.clear_session()``
+    dropped it).
 
     An engine the script started itself is adopted, not started again: after
     the script's own ``hvd.init()`` the Horovod engine is that Horovod (its rank
@@ -164,6 +166,8 @@ def init(engine: str = "auto") -> World:
 
     chosen = choose_engine(engine, keras.backend.backend(), _env.launched_engine())
     if _STATE.engine is not None:
+        if _STATE.engine.name == "jax" and _jax.distribution_lost():
+            _jax.set_distribution()  # keras.backend.clear_session() had dropped it
         return _STATE.world
     started = _adopt(chosen) or _start(chosen)
     _hold(started)

@@ -231,3 +231,6 @@ def test_two_processes_that_joined_jax_themselves_are_adopted_by_init():
     # Seeded 1000 + rank after init(), both built process 0's kernel (the initial-values hook).
     assert results[0]["kernel"] == results[1]["kernel"]
     assert results[0]["own_kernel"] != results[1]["own_kernel"]
+    for r in results:
+        assert "clear_session()" in r["after_clear_session"]
+        assert r["distribution_after_init"] == "FromProcess0DataParallel"

@@ -60,5 +60,16 @@ out["kernel"] = kernel()
 with d.alone():  # outside kmp's distribution: this process's own seed
     keras.utils.set_random_seed(1000 + world.rank)
     out["own_kernel"] = kernel()
+# keras.backend.clear_session() drops kmp's distribution: averaging is refused, not
+# silently skipped, and init() sets the distribution again.
+keras.backend.clear_session()
+try:
+    d.check_averaging_runtime(world.size)
+    out["after_clear_session"] = ""
+except RuntimeError as exc:
+    out["after_clear_session"] = str(exc)
+d.init()
+d.check_averaging_runtime(world.size)  # raises if init() did not set it again
+out["distribution_after_init"] = type(keras.distribution.distribution()).__name__
 write_result(world.rank, out)
 d.barrier()
