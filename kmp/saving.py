@@ -237,6 +237,15 @@ def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
         _ts.restore_rng(model, state, rank=distributed.rank())
         if compiling:
             _follow_world(model, state)
+    elif compiling and _ts.seed_states(model):
+        warnings.warn(
+            f"{path!r} holds no kmp training state (model.save wrote it, not kmp.save_model "
+            f"or AtomicCheckpoint): the {len(_ts.seed_states(model))} random generator(s) of "
+            "its Dropout-like layers start afresh, so training resumed from it will not match "
+            "an uninterrupted run. Everything else (weights, optimizer) is restored.",
+            UserWarning,
+            stacklevel=2,
+        )
     return model
 
 
