@@ -24,7 +24,7 @@ from _common import machine, markdown_table, write_results
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests._support: the job runner the tests use
 WORKER = ROOT / "tests" / "distributed" / "worker_resume.py"
-MODELS = ("sequential", "own_compile", "gpt2", "mobilenet")
+MODELS = ("sequential", "batchnorm", "own_compile", "gpt2", "mobilenet")
 POLICIES = (
     "float32",
     "mixed_float16",
@@ -82,7 +82,7 @@ def main() -> None:
         "policy",
         "engine",
         "resumed vs uninterrupted (max |diff|)",
-        "ranks (max |diff|)",
+        "ranks, trainable weights (max |diff|)",
         "optimizer after load",
         "iterations after load",
     ]

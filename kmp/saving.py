@@ -17,6 +17,7 @@ error, never a silent replacement.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -25,6 +26,7 @@ from typing import Any
 
 import keras
 
+from kmp import rank_weights as _rw
 from kmp import training_state as _ts
 from kmp._files import atomic_write
 
@@ -43,6 +45,7 @@ def save_model(
     step: int = 0,
     data_seed: int | None = None,
     rank_seed_states: tuple | None = None,
+    rank_weights: _rw.RankWeights | None = None,
     temp_prefix: str = ".tmp-",
 ) -> str:
     """Save ``model`` and its training state to a ``.keras`` file, atomically.
@@ -58,6 +61,10 @@ def save_model(
             :func:`kmp.training_state.gather_seed_states` called on all ranks
             (:class:`kmp.callbacks.AtomicCheckpoint` does); None saves this
             process's, which every rank then resumes with.
+        rank_weights: Every rank's values of the non-trainable weights that differ
+            between ranks (BatchNormalization's moving statistics under Horovod), from
+            :func:`kmp.rank_weights.gather` called on all ranks (``AtomicCheckpoint``
+            does); None saves this process's, as Keras does.
         temp_prefix: How the temporary file's name starts (checkpoint finders skip it).
 
     Returns:
@@ -78,11 +85,15 @@ def save_model(
     state = _ts.capture(
         model, epoch=epoch, step=step, data_seed=data_seed, rank_seed_states=rank_seed_states
     )
+    if rank_weights is not None:
+        state = dataclasses.replace(state, rank_weights=rank_weights.paths)
 
     def write(tmp: str) -> None:
         model.save(tmp)
         with zipfile.ZipFile(tmp, "a") as archive:
             archive.writestr(_ts.ENTRY, state.to_json())
+            if rank_weights is not None:
+                archive.writestr(_rw.ENTRY, rank_weights.to_bytes())
 
     return atomic_write(path, write, temp_prefix=temp_prefix)
 
@@ -98,6 +109,11 @@ def read_state(path: str | os.PathLike) -> _ts.TrainingState | None:
         if _ts.ENTRY not in archive.namelist():
             return None
         return _ts.TrainingState.from_json(archive.read(_ts.ENTRY))
+
+
+def _read_rank_weights(path: str) -> _rw.RankWeights:
+    with _archive(path) as archive:
+        return _rw.RankWeights.from_bytes(archive.read(_rw.ENTRY))
 
 
 def _archive(path: str | os.PathLike) -> zipfile.ZipFile:
@@ -235,6 +251,8 @@ def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
         from kmp import distributed
 
         _ts.restore_rng(model, state, rank=distributed.rank())
+        if state.rank_weights:
+            _rw.restore(model, _read_rank_weights(path), distributed.rank())
         if compiling:
             _follow_world(model, state)
     elif compiling and _ts.seed_states(model):

@@ -57,6 +57,8 @@ class TrainingState:
         engine: ``"horovod"``, ``"jax"`` or ``"none"``.
         policy: The global dtype policy's name.
         master_weights: kmp's optimizer's ``master_weights`` setting (None: not kmp's).
+        rank_weights: Paths of the non-trainable weights saved per rank (their values
+            are the archive's :data:`kmp.rank_weights.ENTRY`).
         versions: kmp, Keras and backend versions, and the backend's name.
         format: The layout version of this record.
     """
@@ -72,6 +74,7 @@ class TrainingState:
     engine: str = "none"
     policy: str = "float32"
     master_weights: str | None = None
+    rank_weights: tuple[str, ...] = ()
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     format: int = FORMAT
 
@@ -104,6 +107,7 @@ class TrainingState:
         data["seed_states"] = tuple(
             tuple(tuple(pair) for pair in rank) for rank in data.get("seed_states", ())
         )
+        data["rank_weights"] = tuple(data.get("rank_weights", ()))
         if data.get("global_seed_state") is not None:
             data["global_seed_state"] = tuple(data["global_seed_state"])
         return cls(**data)

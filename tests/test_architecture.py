@@ -61,6 +61,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp.data",
             "kmp.datasets",
             "kmp.training_state",
+            "kmp.rank_weights",
             "kmp.saving",
         ),
     ),

@@ -250,7 +250,7 @@ def test_a_model_with_other_random_layers_is_refused(tmp_path):
 # ---- 2 real ranks --------------------------------------------------------------------
 
 HOROVOD_CASES = [
-    "sequential:mixed_float16",
+    "batchnorm:mixed_float16",  # per-rank moving statistics, saved and restored per rank
     "sequential:bfloat16:kahan",
     "own_compile:mixed_bfloat16",
     *(["gpt2:mixed_float16"] if HAS_HUB else []),
@@ -289,3 +289,29 @@ def test_a_job_killed_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path):
     with pytest.warns(UserWarning, match=r"written by 2 process\(es\) on 1"):
         alone = kmp.load_model(path)
     assert int(alone.optimizer.iterations.numpy()) == 3
+
+
+def test_rank_weights_round_trip_and_are_kept_out_of_the_initial_broadcast():
+    from kmp import rank_weights
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization()])
+    mean, var = model.non_trainable_weights
+    saved = rank_weights.RankWeights(
+        (0, 1),
+        (mean.path, var.path),
+        np.asarray([[0, 1, 2, 3, 1, 1, 1, 1], [5, 6, 7, 8, 2, 2, 2, 2]], "float32"),
+    )
+    saved = rank_weights.RankWeights.from_bytes(saved.to_bytes())
+    rank_weights.restore(model, saved, rank=1)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(mean.value), [5, 6, 7, 8])
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(var.value), [2, 2, 2, 2])
+    assert rank_weights.rank_local(model) == {mean.path, var.path}
+    model.compile(optimizer=kmp.wrap_optimizer(keras.optimizers.SGD()), loss="mse")
+    callback = kmp.callbacks.BroadcastInitialState()
+    callback.set_model(model)
+    sent = {v.path for v in callback.state_variables()}
+    assert mean.path not in sent and var.path not in sent
+    assert {w.path for w in model.trainable_weights} <= sent
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="only 0 non-trainable"):
+        rank_weights.restore(other, saved, rank=0)

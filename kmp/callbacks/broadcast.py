@@ -10,6 +10,7 @@ from kmp import distributed
 from kmp._checks import check_int
 from kmp.callbacks._ranks import model_optimizer, world_size
 from kmp.distributed.collectives import unique_variables
+from kmp.rank_weights import rank_local
 
 __all__ = ["BroadcastInitialState"]
 
@@ -44,13 +45,17 @@ class BroadcastInitialState(keras.callbacks.Callback):
     def state_variables(self) -> list[keras.Variable]:
         """Return the variables broadcast: the model's weights, then the optimizer's.
 
-        Builds the optimizer on the model's trainable variables if needed.
+        Builds the optimizer on the model's trainable variables if needed. Weights
+        that a checkpoint restored per rank (:func:`kmp.rank_weights.rank_local`:
+        BatchNormalization's moving statistics under Horovod) keep each rank's value.
         """
         model = self.model
         optimizer = model_optimizer(self, "BroadcastInitialState")
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        return unique_variables([*model.weights, *optimizer.variables])
+        local = rank_local(model)
+        weights = [w for w in model.weights if w.path not in local]
+        return unique_variables([*weights, *optimizer.variables])
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         """Broadcast the state from ``root``."""

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import keras
 
-from kmp import distributed
+from kmp import distributed, rank_weights
 from kmp._checks import check_bool, check_choice, check_int
 from kmp._files import atomic_write
 from kmp.callbacks._ranks import is_chief, to_float
@@ -272,9 +272,12 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         """Save a checkpoint on the chief when due (and improved with ``save_best_only``)."""
         if (epoch + 1) % self.save_freq:
             return
-        # Every rank's dropout state, gathered on every rank (a collective) before the
-        # chief alone decides and writes.
-        seeds = None if self.save_weights_only else gather_seed_states(self.model)
+        # Every rank's dropout state and its own non-trainable weights, gathered on every
+        # rank (collectives) before the chief alone decides and writes.
+        seeds = per_rank = None
+        if not self.save_weights_only:
+            seeds = gather_seed_states(self.model)
+            per_rank = rank_weights.gather(self.model)  # e.g. BatchNorm's moving statistics
         if not is_chief():
             return
         logs = logs or {}
@@ -309,6 +312,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
                     epoch=epoch + 1,
                     data_seed=self.data_seed,
                     rank_seed_states=seeds,
+                    rank_weights=per_rank,
                     temp_prefix=_TMP_PREFIX,
                 )
         self.last_saved = path
