@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import warnings
 import zipfile
 from typing import Any
@@ -144,12 +145,31 @@ def _keras_skips_compile(model: keras.Model) -> bool:
 
 
 def _compile_as_saved(model: keras.Model, path: str, compile_config: dict) -> None:
-    """Compile ``model`` with its saved optimizer, loss and metrics, then load their state."""
+    """Compile ``model`` with its saved optimizer, loss and metrics, then load their state.
+
+    Raises:
+        ValueError: The saved optimizer's variables still do not fit it (it had been
+            built and stepped, so state would be lost).
+    """
     config = keras.saving.deserialize_keras_object(compile_config)
     model.compile(**config)  # the model's own compile: a KerasHub task keeps its behaviour
     if model.built:
         model.optimizer.build(model.trainable_variables)
-    model.load_weights(path)  # weights again, and now the optimizer's variables
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.load_weights(path)  # weights again, and now the optimizer's variables
+    for w in caught:
+        found = re.search(r"saved optimizer has (\d+) variables", str(w.message))
+        if found is None:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        elif int(found.group(1)) > 2:  # more than iterations and the rate: it was trained
+            raise ValueError(
+                f"{path!r}: the saved optimizer {_saved_optimizer_name(compile_config)} has "
+                f"{found.group(1)} variables, but {type(model).__name__}.compile gave "
+                f"{type(model.optimizer).__name__} with {len(model.optimizer.variables)}, so "
+                "its state (moments, loss scale) cannot be restored. Load it with "
+                "compile=False and compile it yourself."
+            )
 
 
 def _saved_optimizer_name(compile_config: dict | None) -> str | None:
@@ -202,7 +222,8 @@ def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
     override ``compile``), KerasHub tasks, keras.applications. Restored: the
     weights; the optimizer as saved (class, settings, every variable); with a
     file written by :func:`save_model` (or :class:`kmp.callbacks.AtomicCheckpoint`)
-    also the random-number generators' states. kmp's layers and optimizer are
+    also the random-number generators' states and the non-trainable weights kept
+    per rank (:mod:`kmp.rank_weights`), each rank its own. kmp's layers and optimizer are
     registered with Keras first, so a fresh process needs nothing else.
 
     A checkpoint written by another number of processes loads with a warning
@@ -243,9 +264,7 @@ def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if compiling:
         if _keras_skips_compile(model) or _optimizer_dropped(caught):
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_SKIPPED_OPTIMIZER)
-                _compile_as_saved(model, path, compile_config)
+            _compile_as_saved(model, path, compile_config)
         _check_optimizer(model, path, _saved_optimizer_name(compile_config), state)
     if state is not None:
         from kmp import distributed
