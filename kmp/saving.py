@@ -17,12 +17,14 @@ error, never a silent replacement.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import warnings
 import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 import keras
@@ -144,6 +146,29 @@ def _keras_skips_compile(model: keras.Model) -> bool:
     )
 
 
+@contextlib.contextmanager
+def _noting(*texts: str) -> Iterator[list[str]]:
+    """Take the warnings that contain one of ``texts`` aside (yielded); show every other as usual.
+
+    Only those are intercepted: the others reach the user through the filters and
+    the ``showwarning`` in force, unchanged.
+    """
+    noted: list[str] = []
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+        for text in texts:
+            warnings.filterwarnings("always", message=f".*{re.escape(text)}")
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if any(text in str(message) for text in texts):
+                noted.append(str(message))
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield noted
+
+
 def _compile_as_saved(model: keras.Model, path: str, compile_config: dict) -> None:
     """Compile ``model`` with its saved optimizer, loss and metrics, then load their state.
 
@@ -155,14 +180,12 @@ def _compile_as_saved(model: keras.Model, path: str, compile_config: dict) -> No
     model.compile(**config)  # the model's own compile: a KerasHub task keeps its behaviour
     if model.built:
         model.optimizer.build(model.trainable_variables)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with _noting(_SKIPPED_OPTIMIZER) as noted:
         model.load_weights(path)  # weights again, and now the optimizer's variables
-    for w in caught:
-        found = re.search(r"saved optimizer has (\d+) variables", str(w.message))
-        if found is None:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        elif int(found.group(1)) > 2:  # more than iterations and the rate: it was trained
+    for text in noted:
+        found = re.search(r"saved optimizer has (\d+) variables", text)
+        # More than iterations and the learning rate: the optimizer was built and stepped.
+        if found is not None and int(found.group(1)) > 2:
             raise ValueError(
                 f"{path!r}: the saved optimizer {_saved_optimizer_name(compile_config)} has "
                 f"{found.group(1)} variables, but {type(model).__name__}.compile gave "
@@ -254,16 +277,12 @@ def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
     state = read_state(path)
 
     compiling = kwargs.get("compile", True) and compile_config is not None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    handled = (_SKIPPED_OPTIMIZER, _SKIPPED_COMPILE) if compiling else ()
+    with _noting(*handled) as noted:  # Keras's notes that it dropped the optimizer: acted on
         model = keras.saving.load_model(path, **kwargs)
-    for w in caught:
-        text = str(w.message)
-        if compiling and (_SKIPPED_OPTIMIZER in text or _SKIPPED_COMPILE in text):
-            continue  # handled below
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if compiling:
-        if _keras_skips_compile(model) or _optimizer_dropped(caught):
+        dropped = any(_SKIPPED_OPTIMIZER in text for text in noted)
+        if _keras_skips_compile(model) or dropped:
             _compile_as_saved(model, path, compile_config)
         _check_optimizer(model, path, _saved_optimizer_name(compile_config), state)
     if state is not None:
@@ -284,7 +303,3 @@ def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
             stacklevel=2,
         )
     return model
-
-
-def _optimizer_dropped(caught: list) -> bool:
-    return any(_SKIPPED_OPTIMIZER in str(w.message) for w in caught)
