@@ -132,11 +132,12 @@ def allreduce_times(model_name: str, args: argparse.Namespace) -> dict:
     import tensorflow as tf
 
     import kmp.distributed as dist
+    from kmp.distributed.buckets import payload_bytes
 
     keras.config.set_dtype_policy("float32")
     model = models.build(model_name)
     grads = [tf.random.normal(v.shape, seed=i) for i, v in enumerate(model.trainable_variables)]
-    out = {"tensors": len(grads), "float32_bytes": dist.payload_bytes(grads)}
+    out = {"tensors": len(grads), "float32_bytes": payload_bytes(grads)}
     for comp in COMPRESSIONS:
 
         @tf.function
@@ -163,7 +164,7 @@ def allreduce_times(model_name: str, args: argparse.Namespace) -> dict:
                 _ = res[-1].numpy()
                 times.append((time.perf_counter() - t0) * 1e3)
             out[f"{name}/{comp}"] = round(statistics.median(times), 3)
-        out[f"bytes/{comp}"] = dist.payload_bytes(grads, comp)
+        out[f"bytes/{comp}"] = payload_bytes(grads, comp)
     keras.backend.clear_session()
     return out
 

@@ -153,7 +153,7 @@ def train_policy(policy: str, args: argparse.Namespace) -> dict:
         "warmup_s": round(warmup_s, 2),
         "final_loss": round(loss, 4),
         "compilations": compiles,
-        "loss_scale": float(opt_values[id(opt.loss_scale_variable)]),
+        "loss_scale": float(opt_values[id(opt.dynamic_scale)]),
         "peak_bytes_in_use": None if peak is None else int(peak),
     }
 

@@ -268,7 +268,7 @@ def _mnist1d_note(m1d: dict) -> str:
     if f32 and f32["mean"] < PAPER_MNIST1D:
         return (
             f"float32 itself reaches {f32['mean']:.2f} % (seeds {f32['min']:.1f}-"
-            f"{f32['max']:.1f}): the gap is not mixed precision's. The README's MNIST-1D "
+            f"{f32['max']:.1f}): the gap is not mixed precision's. docs/benchmarks.md's MNIST-1D "
             "section lists what differs from the paper's PyTorch run."
         )
     worst = min(m1d, key=lambda p: m1d[p]["mean"])

@@ -25,7 +25,7 @@ What kmp changes. The script keeps its own ``hvd.init()``: kmp adopts the Horovo
   Grappler's float16 rewrite (``mixed_precision="float16"``).
 * ``hvd.DistributedOptimizer(AdamOptimizer(0.001 * hvd.size()))`` ->
   ``kmp.compat.v1.distributed_optimizer(AdamOptimizer(0.001), scale_lr=True,
-  loss_scale="dynamic")``: the same rate, Horovod's average, and dynamic loss scaling whose
+  loss_scale="force_dynamic")``: the same rate, Horovod's average, and dynamic loss scaling whose
   finite check runs on the averaged gradients, so every rank skips an overflow together.
 * ``tape.gradient`` + ``apply_gradients`` -> ``compute_gradients`` + ``apply_gradients``.
   Horovod averages in ``compute_gradients``; its ``apply_gradients`` only applies, so the
@@ -85,7 +85,7 @@ def main() -> dict:
 
     loss = tf.reduce_mean(tf.square(model(tf.constant(inputs), hvd.rank()) - labels))
     optimizer = kv1.distributed_optimizer(
-        v1.train.AdamOptimizer(learning_rate=0.001), scale_lr=True, loss_scale="dynamic"
+        v1.train.AdamOptimizer(learning_rate=0.001), scale_lr=True, loss_scale="force_dynamic"
     )
     grads_and_vars = optimizer.compute_gradients(loss)  # scaled, averaged, unscaled
     train = optimizer.apply_gradients(grads_and_vars)  # or skipped on an overflow

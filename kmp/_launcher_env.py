@@ -7,6 +7,12 @@ anything themselves. A variable that is set to something other than a number
 of the right kind raises :class:`ValueError` naming the variable, whichever
 kind it is.
 
+It also holds the one variable kmp itself gives every process it runs or starts
+(the ``kmp`` commands, the ranks of ``kmp launch``, the demo's): TensorFlow's C++
+log level, ``TF_CPP_MIN_LOG_LEVEL=1`` unless the user set it (:func:`quiet_env`),
+so TensorFlow's INFO start-up notices stay out of kmp's output while its warnings
+and errors still show. :func:`tf_log_level` reads the level as TensorFlow does.
+
 This module imports only kmp._names (the engine names) from kmp.
 """
 
@@ -26,6 +32,8 @@ __all__ = [
     "LAUNCH_SIZE_VARS",
     "LOCAL_RANK_VARS",
     "LOCAL_SIZE_VARS",
+    "QUIET_TF_LOG_LEVEL",
+    "TF_LOG_LEVEL_VAR",
     "launched_coordinator",
     "launched_elastic",
     "launched_engine",
@@ -36,6 +44,8 @@ __all__ = [
     "launcher_cross",
     "launcher_local_rank",
     "launcher_local_size",
+    "quiet_env",
+    "tf_log_level",
 ]
 
 # Set by `kmp launch --engine E` for every process: which engine runs the collectives, and
@@ -46,6 +56,12 @@ JAX_TIMEOUT_VAR = "KMP_JAX_TIMEOUT"
 # Set by kmp's own local launcher (kmp.launching.local_run) for JAX-engine jobs:
 # rank, size, local rank, local size.
 LOCAL_RUN_VARS = ("KMP_RANK", "KMP_SIZE", "KMP_LOCAL_RANK", "KMP_LOCAL_SIZE")
+
+# TensorFlow's C++ log level (0 all, 1 no INFO, 2 no WARNING, 3 no ERROR), which kmp sets for
+# every process it runs or starts unless the user did: 1 drops TensorFlow's INFO start-up
+# notices (oneDNN, CPU instructions, devices) and keeps its warnings and errors.
+TF_LOG_LEVEL_VAR = "TF_CPP_MIN_LOG_LEVEL"
+QUIET_TF_LOG_LEVEL = "1"
 
 # Environment variables through which launchers announce the world size, in the
 # order they are checked: horovodrun (Gloo), Open MPI, MPICH / Intel MPI, MVAPICH.
@@ -311,3 +327,33 @@ def launched_local_run_size(environ: Mapping[str, str] | None = None) -> int | N
         meaning="a world size",
         hint="unset it; kmp launch --engine jax sets it for the processes it starts.",
     )
+
+
+def quiet_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Return the variables to add to ``environ`` so that TensorFlow starts quietly.
+
+    ``{"TF_CPP_MIN_LOG_LEVEL": "1"}``, or nothing when ``environ`` already sets it
+    (not empty): the user's level wins, ``0`` included. Set it before TensorFlow is
+    imported, in this process (``os.environ.update(quiet_env())``) and in the
+    environment of the processes it starts.
+
+    Args:
+        environ: Environment to read (default ``os.environ``).
+    """
+    env = os.environ if environ is None else environ
+    return {} if env.get(TF_LOG_LEVEL_VAR, "").strip() else {TF_LOG_LEVEL_VAR: QUIET_TF_LOG_LEVEL}
+
+
+def tf_log_level(environ: Mapping[str, str] | None = None) -> int:
+    """Return TensorFlow's C++ minimum log level in ``environ``, read as TensorFlow reads it.
+
+    0 (everything) when ``TF_CPP_MIN_LOG_LEVEL`` is unset or not an integer.
+
+    Args:
+        environ: Environment to read (default ``os.environ``).
+    """
+    env = os.environ if environ is None else environ
+    try:
+        return int(env.get(TF_LOG_LEVEL_VAR, "").strip())
+    except ValueError:
+        return 0

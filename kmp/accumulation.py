@@ -32,19 +32,20 @@ def _zero_unless(finite: Any) -> Callable[[Any], Any]:
 class GradientAccumulation:
     """The accumulation half of the optimizer (a mixin; the optimizer provides the rest).
 
-    The optimizer it is mixed into has ``backward_passes_per_step``, ``check_finite``,
+    The optimizer it is mixed into has ``settings`` (an :class:`~kmp.OptimizerSettings`,
+    read for ``backward_passes_per_step``), ``check_finite``,
     ``_allreduce(grads, variables)`` and ``_update(grads, variables, poisoned)``, and is a
     Keras optimizer (``add_variable_from_reference``, ``assign_add``, ``_get_variable_index``).
     """
 
-    backward_passes_per_step: int
+    settings: Any
 
     def _build_accumulation(
         self, scalar: Callable[[str, str, float], keras.Variable], var_list: list
     ) -> None:
         """Create the window's counter, its "bad" flag and one accumulator per variable."""
         self._accumulators: list = []
-        if self.backward_passes_per_step > 1:
+        if self.settings.backward_passes_per_step > 1:
             self._micro_step = scalar("micro_step", "int", 0)
             self._window_bad = scalar("window_bad", "int", 0)
             self._accumulators = [
@@ -53,7 +54,7 @@ class GradientAccumulation:
 
     def _accumulate(self, grads: list, variables: list) -> None:
         """Add one micro-batch; on the last one, average, allreduce once and update."""
-        n = self.backward_passes_per_step
+        n = self.settings.backward_passes_per_step
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
         finite_here = self.check_finite(grads)
         # A non-finite micro-batch adds nothing and marks the window as bad.

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
+from kmp._launcher_env import quiet_env
 from kmp._version import __version__
 from kmp.commands import COMMANDS
 
@@ -39,7 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``kmp`` program and return its exit status."""
+    """Run the ``kmp`` program and return its exit status.
+
+    TensorFlow's log level is set first (unless the user set it), before any command imports
+    TensorFlow, for this process and every process it starts (:func:`~kmp._launcher_env.quiet_env`).
+    """
+    os.environ.update(quiet_env())
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -59,7 +59,7 @@ from kmp.sharding import (
     shard_counts,
 )
 
-__all__ = ["ShardSpec", "available", "load", "open_builder", "shard_counts", "shard_spec"]
+__all__ = ["ShardSpec", "available", "load", "shard_spec"]
 
 _DEFAULT_SHUFFLE_BUFFER = 10_000
 

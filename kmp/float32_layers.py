@@ -1,10 +1,10 @@
-"""Keeping chosen layers of a model in float32: :func:`keep_float32`, and the walk it uses.
+"""Keeping chosen layers of a model in float32: :func:`keep_float32`.
 
 Under a mixed policy every layer computes in 16 bits. A layer whose values overflow
 float16, or whose precision matters (what ``kmp.probe`` measures and ``kmp.audit``
 suspects), can be moved back to float32 in place, with everything inside it, on any built
-model: Sequential, Functional, subclassed or KerasHub. :func:`walk_layers` is the walk and
-the naming that ``keep_float32`` and ``kmp.probe`` share.
+model: Sequential, Functional, subclassed or KerasHub. The layers and their paths are
+those of :func:`kmp.layer_walk.walk`, the walk ``kmp.probe`` and ``kmp.audit`` take too.
 """
 
 from __future__ import annotations
@@ -15,29 +15,11 @@ from typing import Any
 import keras
 
 from kmp._names import LOW_FLOATS
+from kmp.layer_walk import walk
 
-__all__ = ["KEPT_MARK", "keep_float32", "walk_layers"]
+__all__ = ["keep_float32"]
 
 KEPT_MARK = "_kmp_keep_float32"  # True on the layers keep_float32 kept; the audit reads it
-
-
-def walk_layers(root: Any) -> list[tuple[Any, str, str]]:
-    """Each layer under ``root`` once, parents first: (layer, audit path, name to show).
-
-    The name to show is what :func:`keep_float32` returns and ``kmp.probe`` reports.
-    """
-    seen, found = {id(root)}, []
-
-    def visit(container: Any, prefix: str, shown: str) -> None:
-        subs = list(container.layers) if isinstance(container, keras.Model) else []
-        for x in subs + list(container._flatten_layers(include_self=False, recursive=False)):
-            if id(x) not in seen and not isinstance(x, keras.layers.InputLayer):
-                seen.add(id(x))
-                found.append((x, prefix + x.name, x.path or shown + x.name))
-                visit(x, f"{prefix}{x.name}/", f"{found[-1][2]}/")
-
-    visit(root, "", "")
-    return found
 
 
 def _matches(selector: str | type, layer: Any, path: str) -> bool:
@@ -85,12 +67,13 @@ def keep_float32(model: keras.Model, *selectors: str | type) -> list[str]:
     Args:
         model: A built Keras model (Sequential, Functional, subclassed, KerasHub) or layer.
         *selectors: Layer classes (``isinstance``), or strings matched, exactly or as
-            ``fnmatch`` patterns, against each layer's name, path (``layer.path`` or as
-            ``kmp.audit`` shows it) and class name: ``"block*_attention"``, ``"Softmax"``.
+            ``fnmatch`` patterns, against each layer's name, path (as ``kmp.audit`` and
+            ``kmp.probe`` show it, or Keras's ``layer.path``) and class name:
+            ``"block*_attention"``, ``"Softmax"``.
 
     Returns:
-        The paths (``layer.path``, else the parent's and the name) of the layers changed,
-        in walk order; layers already computing in float32 are not listed.
+        The paths (:mod:`kmp.layer_walk`'s, as ``kmp.audit`` shows them) of the layers
+        changed, in walk order; layers already computing in float32 are not listed.
 
     Raises:
         TypeError: ``model`` is not a Keras layer, or a selector no string or layer class.
@@ -109,29 +92,29 @@ def keep_float32(model: keras.Model, *selectors: str | type) -> list[str]:
         return []
     if not model.built:
         raise ValueError(f"{model.name!r} is not built: call it on a batch or build it first.")
-    visits = walk_layers(model)
+    visits = list(walk(model, inputs=False))
     chosen: set[int] = set()
     for s in selectors:
-        hits = [x for x, path, _ in visits if _matches(s, x, path)]
+        hits = [v.layer for v in visits if _matches(s, v.layer, v.path)]
         if not hits:
             raise ValueError(
                 f"{getattr(s, '__name__', s)!r} matches no layer of {model.name!r} (names, paths "
                 "and class names; glob patterns such as 'block*_attention' are accepted). Its "
-                f"layers: {', '.join(v[2] for v in visits[:10]) or 'none'}"
+                f"layers: {', '.join(v.path for v in visits[:10]) or 'none'}"
                 f"{f', ... ({len(visits)} in all)' * (len(visits) > 10)}."
             )
         chosen.update(id(y) for x in hits for y in x._flatten_layers(include_self=True))
     # Every new policy is decided before anything changes.
-    plan = [(x, shown, _float32_policy(x)) for x, _, shown in visits if id(x) in chosen]
+    plan = [(v.layer, v.path, _float32_policy(v.layer)) for v in visits if id(v.layer) in chosen]
     changed = []
-    for layer, shown, policy in plan:
+    for layer, path, policy in plan:
         reverse = getattr(layer, "reverse_dtype", None) in LOW_FLOATS
         if policy is not None:
             layer.dtype_policy = policy
         if reverse:
             layer.reverse_dtype = "float32"
-        changed += [shown] if policy is not None or reverse else []
+        changed += [path] if policy is not None or reverse else []
         setattr(layer, KEPT_MARK, layer.compute_dtype == "float32")
     if changed:  # ``model.outputs``, ``layer.output`` and fit's traced step say 16 bits
-        _forget_old_dtypes([model, *(v[0] for v in visits)])
+        _forget_old_dtypes([model, *(v.layer for v in visits)])
     return changed

@@ -35,18 +35,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kmp._checks import NOT_GIVEN, check_bool, check_int, check_number, given, is_int
-from kmp._launcher_env import LOCAL_RANK_VARS, launcher_local_rank
+from kmp._launcher_env import launcher_local_rank
 
-__all__ = [
-    "LOCAL_RANK_VARS",
-    "GPUConfig",
-    "GPUConfigurationError",
-    "configure_gpus",
-    "launcher_local_rank",
-    "plan_gpus",
-    "resolve_visible",
-    "shared_gpu_message",
-]
+__all__ = ["GPUConfig", "GPUConfigurationError", "configure_gpus"]
 
 Visible = str | int | Sequence[int]
 

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 
-__all__ = ["CPU", "GPU", "Hardware", "detect", "parse_cpuinfo", "parse_nvidia_smi"]
+__all__ = ["CPU", "GPU", "Hardware", "detect"]
 
 
 @dataclasses.dataclass(frozen=True)

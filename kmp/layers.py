@@ -25,13 +25,7 @@ from keras import ops
 
 from kmp._names import LOW_FLOATS
 
-__all__ = [
-    "Float32Output",
-    "Float32Outputs",
-    "float32_outputs",
-    "has_float32_outputs",
-    "upcasting_reverse_head",
-]
+__all__ = ["Float32Output", "float32_outputs", "has_float32_outputs"]
 
 _LINEAR_NAMES = ("linear", None)
 
@@ -122,10 +116,10 @@ class Float32Outputs:
 
     _kmp_base: type | None = None  # the model's own class, set on each subclass
 
-    def call(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+    def call(self, *args: Any, **kwargs: Any) -> Any:
         return _cast_low_floats(super().call(*args, **kwargs))  # type: ignore[misc]
 
-    def get_config(self) -> dict:  # noqa: D102
+    def get_config(self) -> dict:
         base = self._kmp_base
         return {
             "model": {
@@ -137,7 +131,7 @@ class Float32Outputs:
         }
 
     @classmethod
-    def from_config(cls, config: dict, custom_objects: dict | None = None) -> keras.Model:  # noqa: D102
+    def from_config(cls, config: dict, custom_objects: dict | None = None) -> keras.Model:
         model = keras.saving.deserialize_keras_object(
             config["model"], custom_objects=custom_objects
         )

@@ -39,15 +39,7 @@ from typing import Any, NamedTuple
 from kmp import _checks
 from kmp._names import LOSS_SCALE_KINDS, LOSS_SCALE_MODES
 
-__all__ = [
-    "DEFAULTS",
-    "LossScale",
-    "ScaleState",
-    "check_knob",
-    "from_setting",
-    "normalize_setting",
-    "update",
-]
+__all__ = ["LossScale", "ScaleState", "update"]
 
 # The knobs and their defaults, as kmp.wrap_optimizer documents them.
 DEFAULTS: dict[str, Any] = {
@@ -270,25 +262,6 @@ def from_setting(loss_scale: Any = "dynamic", *, compute_dtype: str, **knobs: An
         )
     values["initial_scale"] = static
     return LossScale("static", **values)
-
-
-def rule_from_config(config: dict, *, compute_dtype: str) -> LossScale:
-    """The rule saved in an optimizer's config; the keys it read are removed from ``config``.
-
-    kmp saves the resolved rule (``"rule"``). Configs written by kmp 0.x before that
-    (``initial_scale``, ``growth_interval`` and ``resolved_mode`` keys) are decided as they
-    were then: ``resolved_mode`` names the mode, else ``compute_dtype`` decides.
-    """
-    rule = config.pop("rule", None)
-    legacy = {k: config.pop(k) for k in ("initial_scale", "growth_interval") if k in config}
-    mode = config.pop("resolved_mode", None)
-    if rule is not None:
-        return LossScale.from_config(rule)
-    if mode is not None:
-        compute_dtype = "float16" if mode == "dynamic" else "float32"
-    if mode == "static":  # the static value is the setting itself
-        legacy.pop("initial_scale", None)
-    return from_setting(config.get("loss_scale"), compute_dtype=compute_dtype, **legacy)
 
 
 def update(rule: LossScale, state: ScaleState, finite: Any, xp: Any = None) -> ScaleState:

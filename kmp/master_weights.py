@@ -35,22 +35,10 @@ from keras import ops
 from kmp import _checks
 from kmp._names import LOW_FLOATS, MASTER_WEIGHTS
 
-__all__ = [
-    "DEFAULT_MASTER_WEIGHTS",
-    "DEFAULT_ROUNDING_SEED",
-    "LOW_PRECISION",
-    "MASTER_WEIGHTS",
-    "check_master_weights",
-    "compensated_add",
-    "random_bits",
-    "state_bytes",
-    "stochastic_round",
-    "update_mode",
-]
+__all__ = ["compensated_add", "random_bits", "state_bytes", "stochastic_round"]
 
 DEFAULT_MASTER_WEIGHTS = "auto"
 DEFAULT_ROUNDING_SEED = 0
-LOW_PRECISION = LOW_FLOATS  # the name master_weights has always exported
 EXACT = "exact"  # what update_mode says for a float32 (or wider) weight
 
 
@@ -84,7 +72,7 @@ def update_mode(setting: str, dtype: str) -> str:
         ValueError: ``"float32"`` for a 16-bit weight (its policy has no float32 master
             weights), or ``"stochastic"`` for a float16 weight.
     """
-    if dtype not in LOW_PRECISION:
+    if dtype not in LOW_FLOATS:
         return EXACT
     if setting == "float32":
         raise ValueError(
@@ -134,7 +122,7 @@ def state_bytes(model: Any) -> int:
 
     def nbytes(v: Any) -> int:
         dtype = keras.backend.standardize_dtype(v.dtype)
-        size = 2 if dtype in LOW_PRECISION else np.dtype(dtype).itemsize
+        size = 2 if dtype in LOW_FLOATS else np.dtype(dtype).itemsize
         return int(np.prod(v.shape)) * size
 
     optimizer = getattr(model, "optimizer", None)

@@ -22,16 +22,7 @@ from kmp._legacy_keras import is_legacy_keras, set_legacy_global_policy
 from kmp._names import VALID_POLICIES, normalize_policy
 from kmp.loss_scale import from_setting
 
-__all__ = [
-    "POLICY_ENV_VAR",
-    "VALID_POLICIES",
-    "PolicyChoice",
-    "choose_policy",
-    "current_policy",
-    "disable",
-    "enable",
-    "policy_scope",
-]
+__all__ = ["PolicyChoice", "choose_policy", "current_policy", "disable", "enable", "policy_scope"]
 
 POLICY_ENV_VAR = "KMP_POLICY"
 

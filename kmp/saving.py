@@ -229,7 +229,7 @@ def _follow_world(model: keras.Model, state: Any) -> None:
     from kmp import distributed
 
     optimizer = getattr(model, "optimizer", None)
-    scale_lr = bool(getattr(optimizer, "scale_lr", False))
+    scale_lr = bool(getattr(getattr(optimizer, "settings", None), "scale_lr", False))
     change = _ts.world_change(state.world_size, distributed.size(), scale_lr=scale_lr)
     if change is None:
         return

@@ -11,7 +11,7 @@ One training step with it, on every rank::
 Gradients are averaged before they are checked, so an overflow on any rank makes
 every rank skip the same step and move its scale alike. The rule lives in
 :mod:`kmp.loss_scale`; this class keeps its state in four optimizer variables
-(``loss_scale_variable``, ``good_steps_counter``, ``overflow_streak_counter``,
+(Keras's ``dynamic_scale`` and ``step_counter``, and ``overflow_streak_counter``,
 ``skipped_steps_counter``) and runs it stateful (:meth:`apply`) and stateless (JAX:
 :meth:`stateless_apply`). The accumulation of micro-batches is :mod:`kmp.accumulation`'s.
 """
@@ -25,115 +25,70 @@ from keras import ops
 
 from kmp import distributed
 from kmp import loss_scale as _ls
-from kmp import master_weights as _mw
-from kmp._deprecation import DeprecatedAlias, warn_renamed
-from kmp._names import normalize_compression
+from kmp._version import __version__
 from kmp.accumulation import GradientAccumulation
 from kmp.compensated import CompensatedUpdates
 from kmp.distributed import sparse
-from kmp.distributed.buckets import check_bucket_bytes
+from kmp.distributed.buckets import payload_bytes
+from kmp.distributed.collectives import check_averaging_runtime, gradients_need_allreduce
 from kmp.learning_rate import rescale_learning_rate
-from kmp.optimizer_settings import DEFAULTS
+from kmp.optimizer_settings import OptimizerSettings
 
 __all__ = ["DistributedLossScaleOptimizer"]
 
-
-def _rule_from_arguments(rule: Any, loss_scale: Any, knobs: dict[str, Any]) -> tuple[Any, Any]:
-    """``(rule, setting)`` from the constructor's arguments, old spellings included."""
-    if "rule" in knobs:  # the keyword's name before it said what it holds
-        warn_renamed("DistributedLossScaleOptimizer(rule=...)", "loss_scale_rule=", stacklevel=4)
-        rule = knobs.pop("rule")
-    if isinstance(rule, _ls.LossScale):
-        if knobs:
-            raise TypeError(
-                f"Pass the loss-scale knobs ({', '.join(knobs)}) either in the LossScale or as "
-                "keyword arguments without one, not both."
-            )
-        return rule, loss_scale
-    if rule is not None:  # the old positional `loss_scale` setting
-        warn_renamed(
-            "A loss_scale setting as DistributedLossScaleOptimizer's second argument",
-            "loss_scale=... (the setting) or a kmp.loss_scale.LossScale",
-            stacklevel=4,
-        )
-        loss_scale = rule
-    loss_scale = _ls.normalize_setting(loss_scale)
-    compute = keras.config.dtype_policy().compute_dtype
-    return _ls.from_setting(loss_scale, compute_dtype=compute, **knobs), loss_scale
+# The config's layout; a config without it was written by kmp 0.1, which this kmp refuses.
+CONFIG_FORMAT = 2
 
 
 @keras.saving.register_keras_serializable(package="kmp")
 class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossScaleOptimizer):
     """Loss scaling plus bucketed Horovod allreduces per step, around an inner optimizer.
 
-    Build it with :func:`kmp.wrap_optimizer`, which validates the arguments and
-    scales the learning rate. Everything is decided when the object is made:
-    without a :class:`~kmp.loss_scale.LossScale` the ``loss_scale`` setting is
-    resolved against the global dtype policy current at construction (see
-    :func:`kmp.loss_scale.from_setting`).
+    Build it with :func:`kmp.wrap_optimizer`, which resolves the loss scale against the
+    global dtype policy, checks the master-weight mode against it and scales the learning
+    rate. Keras's ``LossScaleOptimizer`` attributes mean what they mean there:
+    ``dynamic_scale`` is the variable holding the scale in use (a static one too),
+    ``step_counter`` the finite steps since the scale last moved, ``initial_scale`` and
+    ``dynamic_growth_steps`` the rule's first scale and growth interval.
 
     Args:
         inner_optimizer: The Keras optimizer that updates the weights.
-        loss_scale_rule: The :class:`kmp.loss_scale.LossScale`; None resolves
-            ``loss_scale``. (It was called ``rule``, and a setting was accepted in its
-            place: both still work, with a ``DeprecationWarning``.)
-        loss_scale: The setting the user passed (``"dynamic"``, ``"force_dynamic"``,
-            a number or None), kept for :meth:`settings`.
-        compression: None, ``"fp16"`` or ``"bf16"``.
-        backward_passes_per_step: Micro-batches accumulated locally per update.
-        scale_lr: Whether :func:`kmp.wrap_optimizer` scaled the learning rate.
-        lr_scale: The factor it scaled it by (kept for the config).
-        bucket_bytes: Bytes per allreduce bucket; None: one grouped allreduce.
-        sparse_gradients: ``"dense"`` or ``"gather"`` (:mod:`kmp.distributed.sparse`).
-        master_weights: How 16-bit weights take their updates (:mod:`kmp.master_weights`).
-        rounding_seed: The seed of ``master_weights="stochastic"``'s rounding.
+        settings: The :class:`kmp.OptimizerSettings` (None: the defaults), kept as
+            :attr:`settings` and saved in the config.
+        loss_scale_rule: The resolved :class:`kmp.loss_scale.LossScale`; None resolves
+            ``settings.loss_scale`` against the global policy now.
+        lr_scale: The factor :func:`kmp.wrap_optimizer` scaled the learning rate by.
         name: Optimizer name.
-        **knobs: Loss-scale knobs (``initial_scale``, ``growth_interval``, ...) for
-            a rule resolved here; not allowed together with a ``LossScale``.
+
+    Raises:
+        TypeError: ``settings`` is not an ``OptimizerSettings``.
     """
 
     def __init__(
         self,
         inner_optimizer: keras.optimizers.Optimizer,
-        loss_scale_rule: _ls.LossScale | None = None,
+        settings: OptimizerSettings | None = None,
         *,
-        loss_scale: str | float | None = DEFAULTS["loss_scale"],
-        compression: str | None = DEFAULTS["compression"],
-        backward_passes_per_step: int = DEFAULTS["backward_passes_per_step"],
-        scale_lr: bool = DEFAULTS["scale_lr"],
+        loss_scale_rule: _ls.LossScale | None = None,
         lr_scale: float = 1.0,
-        bucket_bytes: int | None = DEFAULTS["bucket_bytes"],
-        sparse_gradients: str = DEFAULTS["sparse_gradients"],
-        master_weights: str = DEFAULTS["master_weights"],
-        rounding_seed: int = DEFAULTS["rounding_seed"],
         name: str | None = None,
-        **knobs: Any,
     ):
-        rule, loss_scale = _rule_from_arguments(loss_scale_rule, loss_scale, knobs)
+        settings = OptimizerSettings.from_arguments(settings, {})[0]
+        if loss_scale_rule is None:
+            compute = keras.config.dtype_policy().compute_dtype
+            loss_scale_rule = settings.loss_scale_rule(compute)
         super().__init__(
             inner_optimizer,
-            initial_scale=rule.initial_scale,
-            dynamic_growth_steps=rule.growth_interval,
+            initial_scale=loss_scale_rule.initial_scale,
+            dynamic_growth_steps=loss_scale_rule.growth_interval,
             name=name,
         )
-        self.loss_scale_rule = rule
-        self.loss_scale_setting = loss_scale
-        self.compression = normalize_compression(compression)
-        self.backward_passes_per_step = int(backward_passes_per_step)
-        self.scale_lr = bool(scale_lr)
+        self.settings = settings
+        self.loss_scale_rule = loss_scale_rule
         self.lr_scale = float(lr_scale)
-        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
-        self.sparse_gradients = sparse.check_sparse_gradients(sparse_gradients)
-        self.master_weights = _mw.check_master_weights(master_weights)
-        self.rounding_seed = int(rounding_seed)
         self.compensated: CompensatedUpdates | None = None
         self._payload_bytes = 0
         self._own_index: dict[int, int] = {}
-
-    # Names these had when they said something else; they warn, then read the new ones.
-    loss_scale_arg = DeprecatedAlias("loss_scale_setting", "the loss_scale setting")
-    step_counter = DeprecatedAlias("good_steps_counter", "finite steps since the scale moved")
-    dynamic_scale = DeprecatedAlias("loss_scale_variable", "the loss scale, static or dynamic")
 
     @property
     def loss_scale_mode(self) -> str:
@@ -145,7 +100,7 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         """The current loss scale (1.0 when not scaling)."""
         if not self.built:
             return self.loss_scale_rule.start_scale
-        return float(self._read(self.loss_scale_variable))
+        return float(self._read(self.dynamic_scale))
 
     @property
     def skipped_steps(self) -> int:
@@ -160,7 +115,7 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
     @property
     def can_skip(self) -> bool:
         """True when a step can be skipped: the loss is scaled, or micro-batches accumulate."""
-        return self.loss_scale_rule.scaling or self.backward_passes_per_step > 1
+        return self.loss_scale_rule.scaling or self.settings.backward_passes_per_step > 1
 
     @staticmethod
     def _read(variable: keras.Variable) -> Any:
@@ -178,20 +133,6 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         """Bytes this rank hands to the allreduce per update (0 in a single process)."""
         return self._payload_bytes
 
-    def settings(self) -> dict[str, Any]:
-        """Return the :func:`kmp.wrap_optimizer` arguments this optimizer was made with."""
-        return {
-            "loss_scale": self.loss_scale_setting,
-            **self.loss_scale_rule.knobs(),
-            "compression": self.compression,
-            "backward_passes_per_step": self.backward_passes_per_step,
-            "scale_lr": self.scale_lr,
-            "bucket_bytes": self.bucket_bytes,
-            "sparse_gradients": self.sparse_gradients,
-            "master_weights": self.master_weights,
-            "rounding_seed": self.rounding_seed,
-        }
-
     def rescale_learning_rate(self, factor: float) -> None:
         """Scale the learning rate by ``factor`` instead of :attr:`lr_scale` (elastic resize).
 
@@ -201,7 +142,7 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         Args:
             factor: The new factor: the new number of ranks.
         """
-        if not self.scale_lr or float(factor) == self.lr_scale:
+        if not self.settings.scale_lr or float(factor) == self.lr_scale:
             return
         rescale_learning_rate(self.inner_optimizer, self.lr_scale, factor)
         self.lr_scale = float(factor)
@@ -217,16 +158,17 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
                 shape=(), dtype=dtype, initializer=init, aggregation="none", name=name
             )
 
-        self.good_steps_counter = scalar("good_steps", "int", 0)
-        self.loss_scale_variable = scalar("loss_scale", "float32", start.scale)
+        self.step_counter = scalar("good_steps", "int", 0)
+        self.dynamic_scale = scalar("loss_scale", "float32", start.scale)
         self.skipped_steps_counter = scalar("skipped_steps", "int", 0)
         self.overflow_streak_counter = scalar("overflow_streak", "int", 0)
         self._build_accumulation(scalar, var_list)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         # Kahan buffers are the inner optimizer's variables: saved and mapped with its state.
+        settings = self.settings
         self.compensated = self.compensated or CompensatedUpdates(
-            self.inner_optimizer, var_list, self.master_weights, self.rounding_seed
+            self.inner_optimizer, var_list, settings.master_weights, settings.rounding_seed
         )
         # Skip LossScaleOptimizer.build (it would create its variables again).
         super(keras.optimizers.LossScaleOptimizer, self).build(var_list)
@@ -235,25 +177,11 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
     def _state_variables(self) -> tuple[keras.Variable, ...]:
         """The rule's state, in :class:`kmp.loss_scale.ScaleState` order."""
         return (
-            self.loss_scale_variable,
-            self.good_steps_counter,
+            self.dynamic_scale,
+            self.step_counter,
             self.overflow_streak_counter,
             self.skipped_steps_counter,
         )
-
-    def load_own_variables(self, store: Any) -> None:
-        """Load saved optimizer state; state saved before ``overflow_streak`` existed too.
-
-        Such files lack that one variable (the fourth of this optimizer's own): it
-        is restored as 0 instead of Keras dropping the whole optimizer state.
-        """
-        keys = list(store.keys())
-        streak = self._own_index.get(id(getattr(self, "overflow_streak_counter", None)))
-        if streak is not None and len(keys) == len(self.variables) - 1:
-            values = [store[str(i)] for i in range(len(keys))]
-            values.insert(streak, 0)
-            store = {str(i): v for i, v in enumerate(values)}
-        super().load_own_variables(store)
 
     def scale_loss(self, loss: Any) -> Any:
         """Multiply ``loss`` by the current loss scale (returned unchanged when not scaling)."""
@@ -261,7 +189,7 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         if not rule.scaling:
             return loss
         if rule.dynamic and self.built:
-            return ops.multiply(loss, self.loss_scale_variable)
+            return ops.multiply(loss, self.dynamic_scale)
         return ops.multiply(loss, rule.initial_scale)
 
     def _unscale(self, grads: list, variables: list, scale: Any) -> list:
@@ -283,16 +211,17 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         return state_scale if rule.dynamic else rule.initial_scale
 
     def _allreduce(self, grads: list, variables: list) -> list:
-        distributed.check_averaging_runtime(distributed.size())
-        if not distributed.gradients_need_allreduce():  # one process, or the JAX distribution
+        check_averaging_runtime(distributed.size())
+        if not gradients_need_allreduce():  # one process, or the JAX distribution
             self._payload_bytes = 0
             return grads
-        if self.sparse_gradients == "dense":  # in the variables' shapes, known while tracing
+        settings = self.settings
+        if settings.sparse_gradients == "dense":  # in the variables' shapes, known while tracing
             grads = sparse.densify_like(grads, variables)
-        how = {"compression": self.compression, "sparse_gradients": self.sparse_gradients}
-        self._payload_bytes = distributed.payload_bytes(grads, **how)
+        how = {"compression": settings.compression, "sparse_gradients": settings.sparse_gradients}
+        self._payload_bytes = payload_bytes(grads, **how)
         return distributed.grouped_allreduce(
-            grads, op="average", bucket_bytes=self.bucket_bytes, **how
+            grads, op="average", bucket_bytes=settings.bucket_bytes, **how
         )
 
     def apply(self, grads: Any, trainable_variables: Any = None) -> None:
@@ -323,7 +252,7 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
             )
         if not grads:
             return
-        if self.backward_passes_per_step == 1:
+        if self.settings.backward_passes_per_step == 1:
             self._update(self._allreduce(grads, variables), variables, poisoned=None)
         else:
             self._accumulate(grads, variables)
@@ -361,8 +290,8 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
                 "Build the optimizer before stateless_apply: "
                 "`opt.build(model.trainable_variables)`."
             )
-        distributed.check_averaging_runtime(distributed.size())
-        if self.backward_passes_per_step > 1:
+        check_averaging_runtime(distributed.size())
+        if self.settings.backward_passes_per_step > 1:
             raise NotImplementedError(
                 "backward_passes_per_step > 1 is implemented for stateful backends "
                 "(TensorFlow, PyTorch). On JAX, set `gradient_accumulation_steps` on the inner "
@@ -399,26 +328,37 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         return list(new_t), new_own + list(new_inner)
 
     def get_config(self) -> dict:
-        """Return the config: the resolved rule is saved, so loading never re-decides it."""
-        settings = {k: v for k, v in self.settings().items() if k not in _ls.KNOBS}
+        """Return the config: the settings and the resolved rule, so loading never re-decides it."""
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "rule": self.loss_scale_rule.to_config(),
-            **settings,  # the setting itself ("loss_scale"), compression, buckets, ...
+            "settings": self.settings.to_config(),
+            "loss_scale_rule": self.loss_scale_rule.to_config(),
             "lr_scale": self.lr_scale,
+            "kmp_format": CONFIG_FORMAT,
         }
 
     @classmethod
     def from_config(cls, config: dict, custom_objects: dict | None = None):
         """Rebuild from :meth:`get_config` output (the learning rate is not scaled again).
 
-        Configs of kmp 0.x, before the rule was saved, are read too (``rule_from_config``).
+        Raises:
+            ValueError: The config was written by kmp 0.1, whose layout this kmp does not read.
         """
-        config = dict(config)
+        if config.get("kmp_format") != CONFIG_FORMAT:
+            raise ValueError(
+                f"This DistributedLossScaleOptimizer was saved by kmp 0.1 (config format "
+                f"{config.get('kmp_format', 1)}); kmp {__version__} reads format {CONFIG_FORMAT} "
+                "only. Load the model with compile=False and compile it with a new "
+                "kmp.wrap_optimizer(...), or load and re-save it with kmp 0.1 first."
+            )
         inner = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
+            config["inner_optimizer"], custom_objects=custom_objects
         )
-        compute = keras.config.dtype_policy().compute_dtype
-        rule = _ls.rule_from_config(config, compute_dtype=compute)  # pops the rule's keys
-        return cls(inner, rule, **config)
+        return cls(
+            inner,
+            OptimizerSettings.from_config(config["settings"]),
+            loss_scale_rule=_ls.LossScale.from_config(config["loss_scale_rule"]),
+            lr_scale=config["lr_scale"],
+            name=config["name"],
+        )

@@ -6,8 +6,8 @@ held in memory) deal examples to ranks by the same rules, which live here:
 is left out), :class:`ShardSpec` (their record), :func:`resolve_world` and
 :func:`resolve_size` (the rank and size, given or this process's), :func:`check_seed` and
 :func:`epoch_seed` (the base seed and each epoch's shuffle seed), and
-:func:`compute_dtype` (the dtype inputs are cast to). ``kmp.data.ShardSpec``
-and ``kmp.data.shard_counts`` are the public spellings.
+:func:`compute_dtype` (the dtype inputs are cast to). ``kmp.data.ShardSpec`` is
+the public spelling.
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ def capture(
     if optimizer is not None and getattr(model, "compiled", False):
         iterations = int(keras.ops.convert_to_numpy(optimizer.iterations))
         name = keras.saving.get_registered_name(type(optimizer))
-        master = getattr(optimizer, "master_weights", None)
+        master = getattr(getattr(optimizer, "settings", None), "master_weights", None)
     generator = _global_seed_generator()
     world = distributed.world()
     return TrainingState(

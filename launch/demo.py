@@ -35,7 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing kmp
 
-from kmp.launching.plan import build_command  # noqa: E402 - after the path set-up
+from kmp._launcher_env import quiet_env  # noqa: E402 - after the path set-up
+from kmp.commands import format_table  # noqa: E402
+from kmp.launching.job import build_command  # noqa: E402
 
 TRAIN = ROOT / "launch" / "train.py"
 RANK0_PREFIXES = ("[0]<stdout>:", "[1,0]<stdout>:")  # Gloo and Open MPI tags of rank 0
@@ -90,8 +92,8 @@ def run_training(args, policy: str, out: Path, label: str) -> dict:
         environ={k: v for k, v in os.environ.items() if k != "KMP_POLICY"},
         engine=args.engine,
     )
-    env = {**os.environ, **plan.env, "TF_CPP_MIN_LOG_LEVEL": os.environ.get(
-        "TF_CPP_MIN_LOG_LEVEL", "2")}  # fmt: skip
+    env = {**os.environ, **plan.env}
+    env.update(quiet_env(env))  # TensorFlow's log level, unless the user set one
     env.pop("KMP_POLICY", None)  # the demo sets the policy per run
     if args.np > 1:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // args.np)))
@@ -125,6 +127,26 @@ def run_training(args, policy: str, out: Path, label: str) -> dict:
     result = json.loads(summary.read_text())
     result["wall_seconds"] = elapsed
     return result
+
+
+def closing_table(runs: Sequence[dict], auto_run: dict | None = None) -> str:
+    """The runs side by side: policy, test accuracy, images/s and the speed against float32.
+
+    ``auto_run``, the run whose policy "auto" chose, has " (auto)" after its policy name;
+    the columns are as wide as their widest cell, whatever the policy names.
+    """
+    f32 = next((r for r in runs if r["policy"] == "float32"), None)
+    rows = [
+        (
+            r["policy"] + (" (auto)" if r is auto_run else ""),
+            f"{r['test_accuracy']:.4f}",
+            f"{r['images_per_sec']:.0f}",
+            f"{r['images_per_sec'] / f32['images_per_sec']:.2f}x" if f32 else "-",
+        )
+        for r in runs
+    ]
+    header = ("policy", "test accuracy", "images/s", "vs float32")
+    return format_table(rows, header, right=(1, 2, 3), indent="  ")
 
 
 def comparison_policy(requested: str, chosen: str) -> str | None:
@@ -169,16 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{cmp_run['images_per_sec']:.0f} images/s, {cmp_run['wall_seconds']:.0f} s",
             flush=True,
         )
-        f32 = next((r for r in runs if r["policy"] == "float32"), None)
-        print("\n  policy           test accuracy   images/s   vs float32", flush=True)
-        for r in runs:
-            speed = f"{r['images_per_sec'] / f32['images_per_sec']:.2f}x" if f32 else "-"
-            tag = " (auto)" if r is main_run and args.policy == "auto" else ""
-            print(
-                f"  {(r['policy'] + tag):<16} {r['test_accuracy']:<15.4f} "
-                f"{r['images_per_sec']:<10.0f} {speed}",
-                flush=True,
-            )
+        auto_run = main_run if args.policy == "auto" else None
+        print("\n" + closing_table(runs, auto_run), flush=True)
         diff = main_run["test_accuracy"] - cmp_run["test_accuracy"]
         ratio = main_run["images_per_sec"] / cmp_run["images_per_sec"]
         print(

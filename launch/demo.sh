@@ -7,5 +7,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/launch/setup.sh"
 cd "$ROOT"
-export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 exec "$ROOT/.venv/bin/python" "$ROOT/launch/demo.py" "$@"

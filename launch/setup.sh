@@ -13,8 +13,8 @@
 #   2. The install plan (kmp/install/plan.py, standard library only): NVIDIA GPUs
 #      (nvidia-smi) or KMP_DEVICE=cuda mean tensorflow[and-cuda]==2.21.0 and Horovod with
 #      NCCL; otherwise tensorflow-cpu==2.21.0. `kmp install-horovod --dry-run` prints it.
-#   3. The plan's TensorFlow and the pinned packages of requirements.txt, then kmp itself
-#      (editable).
+#   3. The plan's TensorFlow and the pinned packages of requirements.txt and of
+#      requirements-docs.txt (the documentation site's tools), then kmp itself (editable).
 #      KerasHub (requirements-hub.txt: keras-hub without its tensorflow-text requirement)
 #      unless KMP_HUB=0.
 #   4. `kmp install-horovod`: Horovod 0.28.1 compiled against that TensorFlow (TensorFlow
@@ -50,7 +50,8 @@ find_python() {
 
 want_stamp() {
   # Everything that decides what is installed: the files and the plan.
-  cat "$ROOT/requirements.txt" "$ROOT/requirements-hub.txt" "$ROOT/pyproject.toml" \
+  cat "$ROOT/requirements.txt" "$ROOT/requirements-docs.txt" "$ROOT/requirements-hub.txt" \
+    "$ROOT/pyproject.toml" \
     "${BASH_SOURCE[0]}" "$ROOT/kmp/install/plan.py" | sha256sum | cut -c1-16
   echo "hub=${KMP_HUB:-1}"
   echo "$PLAN"
@@ -102,7 +103,7 @@ log "plan: $PLAN"
 
 if [ "${KMP_SETUP_FORCE:-0}" = 1 ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$(want_stamp)" ]; then
   t0=$SECONDS
-  log "installing $TF_REQ and the pinned packages (requirements.txt)"
+  log "installing $TF_REQ and the pinned packages (requirements.txt, requirements-docs.txt)"
   pip_q install -q --disable-pip-version-check --upgrade pip==25.0.1
   # tensorflow-cpu and tensorflow both provide the `tensorflow` package: keep only the plan's.
   other=tensorflow-cpu; case "$TF_REQ" in tensorflow-cpu*) other=tensorflow;; esac
@@ -110,7 +111,8 @@ if [ "${KMP_SETUP_FORCE:-0}" = 1 ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" !
     log "removing $other (the plan installs $TF_REQ)"
     pip_q uninstall -q -y "$other"
   fi
-  pip_q install -q --disable-pip-version-check "$TF_REQ" -r "$ROOT/requirements.txt"
+  pip_q install -q --disable-pip-version-check "$TF_REQ" -r "$ROOT/requirements.txt" \
+    -r "$ROOT/requirements-docs.txt"
   # tf-keras (Keras 2, for TF_USE_LEGACY_KERAS=1) without its dependencies: they would
   # pull the full `tensorflow` wheel over tensorflow-cpu; everything it needs is there.
   pip_q install -q --disable-pip-version-check --no-deps tf-keras==2.21.0

@@ -45,6 +45,7 @@ driver's ``--inject-overflow`` and ``--stop-after-epochs``) in ``train_measure.p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -58,9 +59,9 @@ if TYPE_CHECKING:  # kmp and TensorFlow are imported in start(), once the flags 
     import argparse
     import types
 
-    from kmp import PolicyChoice
     from kmp.data import ShardSpec
     from kmp.distributed import World
+    from kmp.policy import PolicyChoice
 
 # The siblings (workloads.py, train_options.py, train_measure.py) import by name: a script's
 # folder is on sys.path when it runs, and bench/ imports this file by its path.
@@ -83,6 +84,9 @@ from train_options import (
     MODELS,
     parse_args,
 )
+
+from kmp._launcher_env import quiet_env
+from kmp.commands import tensorflow_notices_dropped
 
 # ----------------------------------------------------------------------- models
 
@@ -192,9 +196,16 @@ class Trained:
 
 def start(args) -> Run:
     """Start the world, set the policy and the seed; check the steps and the overflow rank."""
-    import keras
+    os.environ.update(quiet_env())  # TensorFlow's log level, unless the user set one
+    with tensorflow_notices_dropped():  # the notices TensorFlow prints before that level applies
+        import keras
 
-    import kmp
+        import kmp
+
+        # TensorFlow now, on the JAX engine too: keras.utils.set_random_seed (below) and TFDS
+        # import it there anyway.
+        if importlib.util.find_spec("tensorflow"):
+            import tensorflow  # noqa: F401
 
     world = kmp.distributed.init()
     choice = kmp.enable(args.policy)
@@ -366,7 +377,7 @@ def summarize(run: Run, model, facts: dict, trained: Trained, measured: dict) ->
         "dataset": args.dataset,
         "policy": run.choice.name,
         "policy_reason": run.choice.reason,
-        "master_weights": model.optimizer.master_weights,
+        "master_weights": model.optimizer.settings.master_weights,
         "state_bytes_per_param": state_bytes_per_param(model),
         "ranks": world.size,
         "engine": world.engine,
@@ -388,7 +399,7 @@ def summarize(run: Run, model, facts: dict, trained: Trained, measured: dict) ->
         **metrics,
         "weights_max_diff": weights_max_diff(model.trainable_weights, kmp),
         "non_trainable_max_diff": weights_max_diff(model.non_trainable_weights, kmp),
-        "bucket_bytes": model.optimizer.bucket_bytes,
+        "bucket_bytes": model.optimizer.settings.bucket_bytes,
         # How often the XLA-compiled forward and backward pass was traced (None: no XLA).
         "xla_traces": (
             model.train_step.xla_function.experimental_get_tracing_count()

@@ -24,7 +24,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp._version",
             "kmp._names",
             "kmp._checks",
-            "kmp._deprecation",
             "kmp._imports",
             "kmp._legacy_keras",
             "kmp._launcher_env",
@@ -38,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp.policy",
             "kmp.loss_scale",
             "kmp.layers",
+            "kmp.layer_walk",
             "kmp.float32_layers",
             "kmp.master_weights",
             "kmp.auditing",
@@ -71,6 +71,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("face", ("kmp._dispatch", "kmp")),
 ]
 MAX_LINES = 450
+# Module names two packages may share: each holds the same kind of thing for its package
+# (docs/architecture.md, "Module names"). Any other shared name misleads.
+SHARED_NAMES = {
+    "data": {"kmp.data", "kmp.elastic.data"},
+    "optimizer": {"kmp.optimizer", "kmp.compat.v1.optimizer"},
+    "report": {"kmp.auditing.report", "kmp.probing.report"},
+    "state": {"kmp.cluster.state", "kmp.elastic.state"},
+}
 # kmp/commands/ holds thin command lines (parser, run, main); the machinery they drive
 # lives in the tools layer. Lines after the module docstring.
 MAX_COMMAND_LINES = 160
@@ -309,6 +317,19 @@ def test_commands_are_thin():
     assert not thick, (
         "command modules over the limit (move the machinery to kmp/launching, kmp/cluster or "
         "kmp/install):\n" + "\n".join(thick)
+    )
+
+
+def test_module_names_do_not_collide():
+    by_name: dict[str, set[str]] = {}
+    for mod, path in MODULES.items():
+        if path.name != "__init__.py":
+            by_name.setdefault(path.stem, set()).add(mod)
+    shared = {name: mods for name, mods in by_name.items() if len(mods) > 1}
+    assert shared == SHARED_NAMES, (
+        "modules of one name in several packages (rename one so each name says what it "
+        "holds, or list a pair that holds the same kind of thing in SHARED_NAMES and "
+        f"docs/architecture.md): {shared}"
     )
 
 

@@ -104,7 +104,7 @@ def test_low_precision_custom_normalization_warns():
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_norm_probe_measures_instead_of_listing_classes(policy):
+def test_norm_check_measures_instead_of_listing_classes(policy):
     kmp.enable(policy, hardware=GPU_HW)
     model = norm_model(
         keras.layers.LayerNormalization(name="keras_ln"),
@@ -115,14 +115,14 @@ def test_norm_probe_measures_instead_of_listing_classes(policy):
     flagged = {f.layer: f.message for f in report.findings if f.code == "low-precision-norm"}
     assert list(flagged) == ["naive_norm"]
     assert "against float32" in flagged["naive_norm"] or "non-finite" in flagged["naive_norm"]
-    assert keras.config.dtype_policy().name == policy  # probes restore the policy
+    assert keras.config.dtype_policy().name == policy  # the checks restore the policy
 
 
-def test_norm_probe_numbers_for_keras_layers():
-    from kmp.auditing.probe import Prober
+def test_norm_check_numbers_for_keras_layers():
+    from kmp.auditing.measured import MeasuredChecks
 
     kmp.enable("mixed_float16", hardware=GPU_HW)
-    prober = Prober()
+    checks = MeasuredChecks()
     results = {}
     for layer in (
         keras.layers.LayerNormalization(),
@@ -131,14 +131,14 @@ def test_norm_probe_numbers_for_keras_layers():
     ):
         inp = keras.Input((3, 8))
         keras.Model(inp, layer(inp))
-        results[type(layer).__name__] = prober.norm(layer)
+        results[type(layer).__name__] = checks.norm(layer)
     assert results["LayerNormalization"].status == "ok"
     assert results["LayerNormalization"].error < 4 * 2.0**-10
     assert results["GroupNormalization"].status == "ok"
     assert results["NaiveNormalization"].status == "bad"
 
 
-def test_norm_probe_that_cannot_run_is_reported_not_guessed():
+def test_norm_check_that_cannot_run_is_reported_not_guessed():
     class NeedsTwoInputsNorm(keras.layers.Layer):
         def call(self, x, y):
             return x - y
@@ -521,7 +521,7 @@ def test_rules_are_pure_functions_of_facts():
         "float16",
         "mixed_float16",
         kinds=frozenset({"norm"}),
-        norm_probe=Measurement("bad", "relative error 0.5", 0.5),
+        norm_check=Measurement("bad", "relative error 0.5", 0.5),
     )
     [finding] = layer_findings(facts, ctx)
     assert (finding.code, finding.severity) == ("low-precision-norm", "warning")
@@ -532,7 +532,7 @@ def test_rules_are_pure_functions_of_facts():
         "float16",
         "mixed_float16",
         kinds=frozenset({"norm"}),
-        norm_probe=Measurement("ok", "relative error 0.0001", 1e-4),
+        norm_check=Measurement("ok", "relative error 0.0001", 1e-4),
     )
     assert layer_findings(ok, ctx) == []
 

@@ -19,6 +19,7 @@ CORE_TESTS = [
     "tests/test_policy.py",
     "tests/test_layers.py",
     "tests/test_float32_layers.py",
+    "tests/test_layer_walk.py",
     "tests/test_auditing.py",
     "tests/test_probing.py",
     "tests/test_master_weights.py",  # the stateless path (its 2-process runs: not here)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kmp
-from kmp.float32_layers import walk_layers
+from kmp.layer_walk import walk
 from kmp.layers import Float32Output
 from tests.test_layers import GPU_HW, sequential  # the same fixtures as kmp.layers' tests
 
@@ -15,7 +15,7 @@ ATTENTION_LAYERS = [
     f"{ATTENTION}/query",
     f"{ATTENTION}/key",
     f"{ATTENTION}/value",
-    f"{ATTENTION}/softmax",  # Keras gives it no path: its parent's path and its name
+    f"{ATTENTION}/softmax",
     f"{ATTENTION}/dropout",
     f"{ATTENTION}/attention_output",
 ]
@@ -35,8 +35,8 @@ def batch(seed=0):
 
 
 def computes(model):
-    """Each layer's compute dtype, by the path kmp.keep_float32 reports."""
-    return {shown: layer.compute_dtype for layer, _, shown in walk_layers(model)}
+    """Each layer's compute dtype, by the path kmp.keep_float32 reports (and kmp.audit shows)."""
+    return {v.path: v.layer.compute_dtype for v in walk(model, inputs=False)}
 
 
 @pytest.mark.parametrize(
@@ -86,23 +86,24 @@ def test_keep_float32_by_path_in_a_nested_model():
     inner = attention_model()
     inp = keras.Input((5, 8))
     model = keras.Model(inp, inner(inp), name="outer")
-    # The path kmp.audit shows (through the nested model) and each layer's own path.
-    assert kmp.keep_float32(model, "gpt/block0_attention/softmax") == [f"{ATTENTION}/softmax"]
-    assert kmp.keep_float32(model, f"{ATTENTION}/query") == [f"{ATTENTION}/query"]
+    # The path kmp.audit shows (through the nested model) selects, and is what comes back;
+    # Keras's own layer.path selects too.
+    nested = f"gpt/{ATTENTION}"
+    assert kmp.keep_float32(model, f"{nested}/softmax") == [f"{nested}/softmax"]
+    assert kmp.keep_float32(model, f"{ATTENTION}/query") == [f"{nested}/query"]
     # A probe's report passes its layer paths as separate arguments.
     names = ["block0_attention", "head"]
     assert kmp.keep_float32(model, *names) == [
-        ATTENTION,
-        f"{ATTENTION}/key",
-        f"{ATTENTION}/value",
-        f"{ATTENTION}/dropout",
-        f"{ATTENTION}/attention_output",
-        "head",
+        nested,
+        f"{nested}/key",
+        f"{nested}/value",
+        f"{nested}/dropout",
+        f"{nested}/attention_output",
+        "gpt/head",
     ]
     assert model.outputs[0].dtype == "float32"
-    # The whole nested model: every layer it holds. Keras gives a path only to the layers
-    # with a build() ("add"); the others are named by their parent's path and their name.
-    assert kmp.keep_float32(model, "gpt") == ["gpt", "add", "gpt/pool"]
+    # The whole nested model: every layer it holds.
+    assert kmp.keep_float32(model, "gpt") == ["gpt", "gpt/add", "gpt/pool"]
     assert set(computes(model).values()) == {"float32"}
 
 
@@ -111,7 +112,7 @@ def test_keep_float32_on_a_sequential_softmax_head():
     model = sequential()
     head = model.layers[-1]
     assert "low-precision-activation" in kmp.audit(model).codes()
-    assert kmp.keep_float32(model, head.name) == [head.path]
+    assert kmp.keep_float32(model, head.name) == [head.name]
     assert model.outputs[0].dtype == "float32"
     assert model(np.ones((2, 6), "float32")).dtype == "float32"
     assert kmp.audit(model).ok  # the softmax is computed in float32
@@ -190,13 +191,13 @@ def test_keep_float32_in_a_subclassed_model():
     net = AttentionNet()
     x = batch()
     net(x)
-    changed = kmp.keep_float32(net, "attention")  # its name; Keras's path is longer
-    assert changed[0] == net.attention.path == "attention_net/attention"
-    assert f"{net.attention.path}/softmax" in changed and len(changed) == 7
+    changed = kmp.keep_float32(net, "attention")  # its name and path; Keras's path is longer
+    assert changed[0] == "attention" and net.attention.path == "attention_net/attention"
+    assert "attention/softmax" in changed and len(changed) == 7
     assert net.attention._softmax.compute_dtype == "float32"
     assert keras.backend.standardize_dtype(net.attention(x, x).dtype) == "float32"
     assert keras.backend.standardize_dtype(net(x).dtype) == "bfloat16"
-    assert kmp.keep_float32(net, keras.layers.Dense) == ["attention_net/head"]
+    assert kmp.keep_float32(net, keras.layers.Dense) == ["head"]
     assert keras.backend.standardize_dtype(net(x).dtype) == "float32"
 
 
@@ -207,9 +208,9 @@ def test_keep_float32_in_a_keras_hub_model():
 
     kmp.enable("mixed_float16", hardware=GPU_HW)
     lm = kmp.float32_outputs(_zoo.gpt2_causal_lm())  # its head's matmul in float16
-    attention = "transformer_layer_0/self_attention"
+    attention = "gpt2_backbone/transformer_layer_0/self_attention"  # as kmp.audit shows it
     assert "low-precision-attention" in kmp.audit(lm).codes()
-    changed = kmp.keep_float32(lm, attention)
+    changed = kmp.keep_float32(lm, "transformer_layer_0/self_attention")  # Keras's path
     assert changed[0] == attention and f"{attention}/query" in changed
     block = lm.backbone.get_layer("transformer_layer_0")
     assert block._self_attention_layer._softmax.compute_dtype == "float32"
@@ -217,7 +218,7 @@ def test_keep_float32_in_a_keras_hub_model():
     report = kmp.audit(lm)
     assert "low-precision-attention" not in report.codes() and report.ok
     # The tied head: its layer and its reverse matmul.
-    assert kmp.keep_float32(lm, "token_embedding") == ["token_embedding"]
+    assert kmp.keep_float32(lm, "token_embedding") == ["gpt2_backbone/token_embedding"]
     head = lm.backbone.token_embedding
     assert (head.compute_dtype, head.reverse_dtype) == ("float32", "float32")
     x, _ = _zoo.lm_batch(np.random.default_rng(0))
@@ -251,5 +252,5 @@ def test_keep_float32_errors_change_nothing():
 
 def test_keep_float32_lists_ten_layers_in_its_error():
     deep = keras.Sequential([keras.Input((2,)), *[keras.layers.Dense(2) for _ in range(12)]])
-    with pytest.raises(ValueError, match=r"layers: sequential/dense, .*, \.\.\. \(12 in all\)"):
+    with pytest.raises(ValueError, match=r"layers: dense, dense_1, .*, \.\.\. \(12 in all\)"):
         kmp.keep_float32(deep, "nope")

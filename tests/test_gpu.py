@@ -218,17 +218,8 @@ def test_configuring_after_initialisation_says_what_to_do():
 # ------------------------------------------------------------------ local rank
 
 
-def test_launcher_env_is_re_exported():
-    # The launcher variables are read by kmp._launcher_env (see test_launcher_env.py).
-    assert gpu.LOCAL_RANK_VARS is launcher_env.LOCAL_RANK_VARS
-    assert gpu.launcher_local_rank is launcher_env.launcher_local_rank
-    assert gpu.launcher_local_rank({"HOROVOD_LOCAL_RANK": "1"}) == 1
-    with pytest.raises(ValueError, match="HOROVOD_LOCAL_RANK"):
-        gpu.launcher_local_rank({"HOROVOD_LOCAL_RANK": "x"})
-
-
 def test_current_local_rank_reads_only_the_launcher(monkeypatch):
-    for var in gpu.LOCAL_RANK_VARS:
+    for var in launcher_env.LOCAL_RANK_VARS:
         monkeypatch.delenv(var, raising=False)
     assert gpu._current_local_rank() is None
     monkeypatch.setenv("SLURM_LOCALID", "3")
@@ -251,7 +242,7 @@ def test_gpu_does_not_import_kmp_distributed():
 
 @pytest.fixture
 def no_launcher(monkeypatch):
-    for var in gpu.LOCAL_RANK_VARS:
+    for var in launcher_env.LOCAL_RANK_VARS:
         monkeypatch.delenv(var, raising=False)
 
 
@@ -335,7 +326,7 @@ def test_configure_gpus_checks_the_local_rank(monkeypatch, local_rank, error):
 
 def test_configure_gpus_reports_a_bad_launcher_variable(monkeypatch):
     patch_tf_gpus(monkeypatch, 2)
-    for var in gpu.LOCAL_RANK_VARS:
+    for var in launcher_env.LOCAL_RANK_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "-1")
     with pytest.raises(ValueError, match=r"OMPI_COMM_WORLD_LOCAL_RANK='-1'.*non-negative"):

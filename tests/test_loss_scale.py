@@ -25,9 +25,9 @@ import numpy as np
 import pytest
 
 import kmp
-import kmp.distributed as dist
 from kmp import loss_scale as ls
 from kmp._checks import NOT_GIVEN
+from kmp._launcher_env import LAUNCH_SIZE_VARS
 from tests._support import ROOT
 
 F, N = True, False  # a finite step, an overflowing step
@@ -108,7 +108,9 @@ def test_stateful_tensorflow_path_matches_reference(kind, knobs):
 
     from kmp.scaling_optimizer import DistributedLossScaleOptimizer
 
-    opt = DistributedLossScaleOptimizer(keras.optimizers.SGD(1.0), ls.LossScale(kind, **knobs))
+    opt = DistributedLossScaleOptimizer(
+        keras.optimizers.SGD(1.0), loss_scale_rule=ls.LossScale(kind, **knobs)
+    )
     w = keras.Variable(np.zeros(2, "float32"))
     opt.build([w])
     step = tf.function(lambda g: opt.apply([g], [w]))
@@ -122,7 +124,7 @@ def test_stateful_tensorflow_path_matches_reference(kind, knobs):
             (
                 opt.loss_scale,
                 opt.skipped_steps,
-                int(opt.good_steps_counter),
+                int(opt.step_counter),
                 opt.overflow_streak,
                 applied,
             )
@@ -139,12 +141,14 @@ assert keras.backend.backend() == "jax"
 settings, sequence = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 out = []
 for kind, knobs in settings:
-    opt = DistributedLossScaleOptimizer(keras.optimizers.SGD(1.0), ls.LossScale(kind, **knobs))
+    opt = DistributedLossScaleOptimizer(
+        keras.optimizers.SGD(1.0), loss_scale_rule=ls.LossScale(kind, **knobs)
+    )
     w = keras.Variable(np.zeros(2, "float32"))
     opt.build([w])
     index = {id(v): i for i, v in enumerate(opt.variables)}
-    slots = [index[id(v)] for v in (opt.loss_scale_variable, opt.skipped_steps_counter,
-                                    opt.good_steps_counter, opt.overflow_streak_counter)]
+    slots = [index[id(v)] for v in (opt.dynamic_scale, opt.skipped_steps_counter,
+                                    opt.step_counter, opt.overflow_streak_counter)]
     ov, tv = [v.value for v in opt.variables], [w.value]
     step = jax.jit(lambda ov, tv, g: opt.stateless_apply(ov, [g], tv))
     rows = []
@@ -162,7 +166,7 @@ print("RESULT" + json.dumps(out))
 def test_stateless_jax_path_matches_reference():
     pytest.importorskip("jax")
     env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    for var in dist.LAUNCH_SIZE_VARS:
+    for var in LAUNCH_SIZE_VARS:
         env.pop(var, None)
     proc = subprocess.run(
         [sys.executable, "-c", JAX_SCRIPT, json.dumps(SETTINGS), json.dumps(SEQUENCE)],
@@ -189,7 +193,7 @@ def test_tf1_graph_path_matches_reference(kind, knobs):
         w = v1.Variable([0.0, 0.0], dtype=tf.float32)
         g_in = v1.placeholder(tf.float32, [])
         loss = tf.reduce_sum(w * g_in)  # d loss / d w = g_in
-        setting = knobs["initial_scale"] if kind == "static" else "dynamic"
+        setting = knobs["initial_scale"] if kind == "static" else "force_dynamic"
         extra = {} if kind == "static" else knobs
         opt = kv1.distributed_optimizer(
             v1.train.GradientDescentOptimizer(1.0), loss_scale=setting, **extra

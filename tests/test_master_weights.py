@@ -288,7 +288,7 @@ def test_a_saved_model_resumes_exactly(mode, tmp_path):
     path = tmp_path / "m.keras"
     model.save(path)
     loaded = kmp.load_model(path)
-    assert loaded.optimizer.master_weights == mode
+    assert loaded.optimizer.settings.master_weights == mode
     assert len(loaded.optimizer.variables) == len(model.optimizer.variables)
     for m in (model, loaded):
         m.fit(x, y, epochs=1, batch_size=16, verbose=0, shuffle=False)

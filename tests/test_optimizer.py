@@ -15,6 +15,7 @@ import pytest
 
 import kmp
 import kmp.distributed as dist
+from kmp.distributed.collectives import check_averaging_runtime
 from kmp.optimizer import DistributedLossScaleOptimizer, ScaledLearningRate, wrap_optimizer
 from tests._training import model_for
 
@@ -98,14 +99,14 @@ def test_tf_distribute_strategy_is_refused_with_many_ranks():
         tf.distribute.MirroredStrategy(["/cpu:0"]).scope(),
         pytest.raises(RuntimeError, match=r"do not also use a tf\.distribute strategy"),
     ):
-        dist.check_averaging_runtime(2)
+        check_averaging_runtime(2)
 
 
 def test_tf_keras_optimizer_goes_to_the_keras2_path(monkeypatch):
     calls = {}
 
-    def fake_wrap(optimizer, **kwargs):
-        calls.update(kwargs, optimizer=optimizer)
+    def fake_wrap(optimizer, settings=None, **kwargs):
+        calls.update(kwargs, optimizer=optimizer, settings=settings)
         return "wrapped by keras2"
 
     monkeypatch.setitem(
@@ -169,7 +170,7 @@ def test_knobs_reach_the_rule_and_the_settings():
     assert (rule.kind, rule.initial_scale, rule.growth_interval) == ("dynamic", 64.0, 5)
     assert (rule.growth_factor, rule.backoff_factor, rule.hysteresis) == (4.0, 0.25, 3)
     assert (rule.min_scale, rule.max_scale) == (2.0, 1024.0)
-    assert opt.settings()["hysteresis"] == 3 and opt.settings()["loss_scale"] == "dynamic"
+    assert opt.settings.hysteresis == 3 and opt.settings.loss_scale == "dynamic"
     cfg = json.loads(json.dumps(keras.saving.serialize_keras_object(opt)))
     assert keras.saving.deserialize_keras_object(cfg).loss_scale_rule == rule
 

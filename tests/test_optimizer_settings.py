@@ -1,7 +1,8 @@
-"""kmp.OptimizerSettings (kmp/optimizer_settings.py): one settings object, one set of defaults.
+"""kmp.OptimizerSettings (kmp/optimizer_settings.py): one frozen settings object.
 
-Taken by the three wrappers (kmp.wrap_optimizer, kmp.compat.keras2.wrap_optimizer,
-kmp.compat.v1.distributed_optimizer) and the face's honest signature.
+Its fields hold the real defaults and their checks; the three wrappers (kmp.wrap_optimizer,
+kmp.compat.keras2.wrap_optimizer, kmp.compat.v1.distributed_optimizer) take it and apply
+keyword overrides once; the Keras 3 optimizer keeps it and saves it.
 """
 
 from __future__ import annotations
@@ -9,26 +10,29 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import warnings
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
 import kmp
 from kmp import optimizer_settings
-from kmp._checks import NOT_GIVEN
 from kmp.compat import keras2
 from kmp.compat.v1 import optimizer as v1_optimizer
 from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES
 from kmp.loss_scale import FLOAT32_MAX, LossScale
 from kmp.optimizer import wrap_optimizer
-from kmp.optimizer_settings import DEFAULTS, FIELDS, OptimizerSettings
+from kmp.optimizer_settings import OptimizerSettings
 
 WRAPPERS = {
+    "kmp.wrap_optimizer": kmp.wrap_optimizer,
     "kmp.optimizer.wrap_optimizer": wrap_optimizer,
     "kmp.compat.keras2.wrap_optimizer": keras2.wrap_optimizer,
     "kmp.compat.v1.distributed_optimizer": v1_optimizer.distributed_optimizer,
 }
+FIELDS = OptimizerSettings.field_names()
 
 
 def tf1_sgd():
@@ -38,33 +42,35 @@ def tf1_sgd():
 # ------------------------------------------------------------------ the object
 
 
-def test_the_defaults_are_one_set():
-    assert FIELDS == tuple(DEFAULTS) == tuple(f.name for f in dataclasses.fields(OptimizerSettings))
-    assert OptimizerSettings.DEFAULTS is DEFAULTS
-    assert OptimizerSettings().given() == {}
-    assert OptimizerSettings().resolved() == DEFAULTS
-    assert DEFAULTS["loss_scale"] == "dynamic"
-    assert DEFAULTS["bucket_bytes"] == DEFAULT_BUCKET_BYTES == 4 * 2**20
-    assert DEFAULTS["initial_scale"] == LossScale().initial_scale  # the rule's own knobs
+def test_the_defaults_are_the_fields_own():
+    fields = dataclasses.fields(OptimizerSettings)
+    assert tuple(f.name for f in fields) == FIELDS
+    assert all(callable(f.metadata["check"]) for f in fields)  # each field has its check
+    plain = OptimizerSettings()
+    assert plain.changed() == {}
+    assert plain.values() == OptimizerSettings.defaults()
+    assert plain.loss_scale == "dynamic"
+    assert plain.bucket_bytes == DEFAULT_BUCKET_BYTES == 4 * 2**20
+    assert plain.initial_scale == LossScale().initial_scale  # the rule's own knobs
 
 
 @pytest.mark.parametrize("name", list(WRAPPERS))
-def test_no_wrapper_has_a_default_of_its_own(name):
-    """Every field a wrapper takes defaults to 'not given': the value is DEFAULTS'."""
+def test_every_wrapper_takes_settings_and_overrides(name):
+    """No wrapper spells the fields out again: settings=, then overrides of its fields."""
     params = inspect.signature(WRAPPERS[name]).parameters
     assert params["settings"].default is None
-    fields = [p for p in params.values() if p.name in FIELDS]
-    assert len(fields) >= 10
-    assert all(p.default is NOT_GIVEN and p.kind is p.KEYWORD_ONLY for p in fields), name
+    assert not set(FIELDS) & set(params), name
+    assert [p.kind for p in params.values()][-1] is inspect.Parameter.VAR_KEYWORD
 
 
-def test_given_fields_are_checked_and_canonical():
+def test_fields_are_checked_and_canonical():
     s = OptimizerSettings(loss_scale=" Force_Dynamic ", compression="FP16", growth_interval=5)
-    assert s.given() == {"loss_scale": "force_dynamic", "growth_interval": 5, "compression": "fp16"}
-    assert s.resolved()["bucket_bytes"] == DEFAULT_BUCKET_BYTES
-    assert repr(s) == (
-        "OptimizerSettings(loss_scale='force_dynamic', growth_interval=5, compression='fp16')"
-    )
+    assert s.changed() == {
+        "loss_scale": "force_dynamic",
+        "growth_interval": 5,
+        "compression": "fp16",
+    }
+    assert s.bucket_bytes == DEFAULT_BUCKET_BYTES
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.compression = "bf16"
 
@@ -95,11 +101,19 @@ def test_given_fields_are_checked_and_canonical():
 def test_bad_fields_are_refused_when_made(kwargs, error, match):
     with pytest.raises(error, match=match):
         OptimizerSettings(**kwargs)
+    with pytest.raises(error, match=match):  # an override is checked the same way, once
+        kmp.wrap_optimizer(keras.optimizers.SGD(), **kwargs)
 
 
 def test_an_unknown_field_is_a_type_error():
     with pytest.raises(TypeError, match="bucket_size"):
         OptimizerSettings(bucket_size=1024)
+    for wrap, opt in (
+        (kmp.wrap_optimizer, keras.optimizers.SGD()),
+        (v1_optimizer.distributed_optimizer, tf1_sgd()),
+    ):
+        with pytest.raises(TypeError, match=r"Unknown optimizer setting\(s\) bucket_size.*growth"):
+            wrap(opt, bucket_size=1024)
 
 
 def test_a_custom_horovod_compressor_is_kept_for_the_tf_keras_path():
@@ -107,7 +121,7 @@ def test_a_custom_horovod_compressor_is_kept_for_the_tf_keras_path():
         compress = decompress = staticmethod(lambda t: t)
 
     assert OptimizerSettings(compression=Custom).compression is Custom
-    with pytest.raises(TypeError, match="compression must be None"):
+    with pytest.raises(TypeError, match="custom Horovod compressor, which only the tf-keras"):
         wrap_optimizer(keras.optimizers.SGD(), compression=Custom)  # Keras 3 cannot send it
 
 
@@ -122,30 +136,24 @@ def test_a_loss_scale_holds_its_knobs():
     assert OptimizerSettings().loss_scale_rule("float16").kind == "dynamic"
 
 
-# ----------------------------------------------------- settings with keywords
+# ----------------------------------------------------- settings with overrides
 
 
-def test_keywords_and_settings_combine_field_by_field():
-    s = OptimizerSettings(compression="fp16", growth_interval=500)
-    both = OptimizerSettings.combine(s, {"hysteresis": 2, "compression": "FP16", "other": 1})
-    assert both.given() == {"growth_interval": 500, "hysteresis": 2, "compression": "fp16"}
-    assert OptimizerSettings.combine(s, {"hysteresis": NOT_GIVEN}) is s
-    assert OptimizerSettings.combine(None, {"scale_lr": True}).given() == {"scale_lr": True}
-
-
-def test_a_field_given_both_ways_differently_is_an_error():
+def test_overrides_replace_fields_once():
     s = OptimizerSettings(compression="fp16", bucket_bytes=None)
-    with pytest.raises(
-        ValueError, match=r"compression='fp16' in settings and compression='bf16' as a keyword"
-    ):
-        OptimizerSettings.combine(s, {"compression": "bf16"})
+    assert s.with_overrides(hysteresis=2).changed() == {
+        "compression": "fp16",
+        "bucket_bytes": None,
+        "hysteresis": 2,
+    }
+    assert s.with_overrides() is s
     for name, wrap, opt in (
         ("kmp.wrap_optimizer", kmp.wrap_optimizer, keras.optimizers.SGD()),
         ("compat.v1", v1_optimizer.distributed_optimizer, tf1_sgd()),
     ):
-        with pytest.raises(ValueError, match="bucket_bytes=None in settings"):
-            wrap(opt, settings=s, bucket_bytes=1024)
-        assert wrap(opt, settings=s, bucket_bytes=None) is not None, name
+        wrapped = wrap(opt, s, bucket_bytes=1024)
+        assert wrapped.settings == OptimizerSettings(compression="fp16", bucket_bytes=1024), name
+    assert s.bucket_bytes is None  # the caller's object is left as it was
 
 
 @pytest.mark.parametrize("bad", [{"compression": "fp16"}, "fp16", 3])
@@ -156,38 +164,61 @@ def test_settings_must_be_the_settings_class(bad):
         v1_optimizer.distributed_optimizer(tf1_sgd(), settings=bad)
 
 
-def test_a_settings_object_wraps_like_the_keywords():
+def test_a_settings_object_wraps_like_the_keywords_and_is_kept():
     keras.config.set_dtype_policy("mixed_float16")
     kwargs = {"compression": "bf16", "growth_interval": 50, "bucket_bytes": None}
-    by_settings = wrap_optimizer(keras.optimizers.SGD(), settings=OptimizerSettings(**kwargs))
+    settings = OptimizerSettings(**kwargs)
+    by_settings = wrap_optimizer(keras.optimizers.SGD(), settings=settings)
     by_keywords = wrap_optimizer(keras.optimizers.SGD(), **kwargs)
-    assert by_settings.settings() == by_keywords.settings()
+    assert by_settings.settings is settings
+    assert by_keywords.settings == settings
     assert by_settings.loss_scale_rule == by_keywords.loss_scale_rule
-    assert wrap_optimizer(by_settings, settings=OptimizerSettings(**kwargs)) is by_settings
+    assert wrap_optimizer(by_settings, settings=settings) is by_settings
+    with pytest.raises(ValueError, match=r"already wrapped.*compression='fp16' \(it has 'bf16'\)"):
+        wrap_optimizer(by_settings, compression="fp16")
+
+
+def test_the_optimizer_saves_its_settings_object():
+    rule = LossScale("dynamic", initial_scale=64.0, growth_interval=3)
+    for settings in (
+        OptimizerSettings(compression="fp16", bucket_bytes=None, rounding_seed=4, scale_lr=True),
+        OptimizerSettings(loss_scale=rule, sparse_gradients="dense"),
+        OptimizerSettings(loss_scale=8.0),
+    ):
+        opt = wrap_optimizer(keras.optimizers.SGD(), settings)
+        cfg = json.loads(json.dumps(keras.saving.serialize_keras_object(opt)))
+        back = keras.saving.deserialize_keras_object(cfg)
+        assert back.settings == settings
+        assert back.loss_scale_rule == opt.loss_scale_rule
+
+
+def test_a_kmp_0_1_config_is_refused_with_what_to_do():
+    opt = wrap_optimizer(keras.optimizers.SGD())
+    cfg = opt.get_config()
+    old = {k: v for k, v in cfg.items() if k not in ("settings", "kmp_format", "loss_scale_rule")}
+    old.update(loss_scale="dynamic", compression=None, rule=cfg["loss_scale_rule"])
+    with pytest.raises(ValueError, match=r"saved by kmp 0\.1.*compile=False"):
+        type(opt).from_config(old)
 
 
 # ----------------------------------------------------------- the three paths
 
 
-def test_keras3_defaults_are_the_one_set():
+def test_keras3_defaults_are_the_fields():
     keras.config.set_dtype_policy("mixed_float16")
     opt = wrap_optimizer(keras.optimizers.SGD())
-    assert opt.settings() == DEFAULTS
+    assert opt.settings == OptimizerSettings()
     assert opt.loss_scale_mode == "dynamic"
 
 
-def test_v1_defaults_are_the_one_set():
+def test_v1_follows_the_global_policy_like_every_path():
     opt = v1_optimizer.distributed_optimizer(tf1_sgd())
-    # "dynamic", read for a graph with no policy saying float16: no scaling, as before.
-    assert opt.loss_scale_rule.kind == "none"
-    assert (opt._bucket_bytes, opt._sparse_gradients, opt._compression) == (
-        DEFAULTS["bucket_bytes"],
-        DEFAULTS["sparse_gradients"],
-        DEFAULTS["compression"],
-    )
-    given = v1_optimizer.distributed_optimizer(tf1_sgd(), loss_scale="dynamic")
-    assert given.loss_scale_rule.kind == "dynamic"  # asked for: float16's dynamic scaling
-    assert given.loss_scale_rule == LossScale("dynamic")  # with the one set of knobs
+    assert opt.settings == OptimizerSettings()
+    assert opt.loss_scale_rule.kind == "none"  # float32 policy: "dynamic" means none
+    forced = v1_optimizer.distributed_optimizer(tf1_sgd(), loss_scale="force_dynamic")
+    assert forced.loss_scale_rule == LossScale("dynamic")  # with the one set of knobs
+    keras.config.set_dtype_policy("mixed_float16")
+    assert v1_optimizer.distributed_optimizer(tf1_sgd()).loss_scale_rule == LossScale("dynamic")
 
 
 def test_v1_refuses_what_only_keras3_does():
@@ -216,7 +247,7 @@ def test_keras2_takes_the_settings_and_refuses_what_it_cannot_do():
         s = OptimizerSettings(initial_scale=256, growth_interval=50)
         opt = keras2.wrap_optimizer(tf_keras.optimizers.Adam(), settings=s)
         assert (float(opt.initial_scale), opt.dynamic_growth_steps) == (256.0, 50)
-        # The one default bucket_bytes is not given here, so tf-keras simply does without.
+        # bucket_bytes at its default: tf-keras simply does without (Horovod's layer reduces).
         assert keras2.wrap_optimizer(tf_keras.optimizers.Adam(), settings=OptimizerSettings())
         with pytest.raises(ValueError, match="bucket_bytes=4096 is not available on the tf-keras"):
             keras2.wrap_optimizer(
@@ -242,18 +273,12 @@ def test_wrap_optimizer_takes_a_loss_scale():
     rule = LossScale("dynamic", initial_scale=64.0, growth_interval=3)
     opt = wrap_optimizer(keras.optimizers.SGD(), loss_scale=rule)  # float32 policy: kept
     assert opt.loss_scale_rule == rule and opt.loss_scale_mode == "dynamic"
-    assert opt.settings()["loss_scale"] == "force_dynamic"  # the setting that gives it
+    assert opt.settings.loss_scale is rule
     assert wrap_optimizer(opt, loss_scale=rule) is opt
     with pytest.raises(ValueError, match=r"already wrapped.*loss_scale=LossScale\(kind='none'"):
         wrap_optimizer(opt, loss_scale=LossScale("none"))
-    cfg = json.loads(json.dumps(keras.saving.serialize_keras_object(opt)))
-    assert keras.saving.deserialize_keras_object(cfg).loss_scale_rule == rule
     static = wrap_optimizer(keras.optimizers.SGD(), loss_scale=LossScale("static", initial_scale=8))
-    assert (static.loss_scale_mode, static.loss_scale, static.settings()["loss_scale"]) == (
-        "static",
-        8.0,
-        8.0,
-    )
+    assert (static.loss_scale_mode, static.loss_scale) == ("static", 8.0)
 
 
 def test_a_loss_scale_replaces_a_keras_loss_scale_optimizers_own():
@@ -262,19 +287,32 @@ def test_a_loss_scale_replaces_a_keras_loss_scale_optimizers_own():
     assert wrap_optimizer(lso, loss_scale=rule).loss_scale_rule == rule
 
 
+# ------------------------------------------------- Keras's names, without warnings
+
+
+def test_keras_loss_scale_optimizer_attributes_read_without_warnings():
+    keras.config.set_dtype_policy("mixed_float16")
+    opt = wrap_optimizer(keras.optimizers.SGD(0.1), growth_interval=2, initial_scale=64.0)
+    var = keras.Variable(np.ones(3, "float32"))
+    opt.apply([keras.ops.ones(3)], [var])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Generic Keras code reads these on any LossScaleOptimizer.
+        scale, steps = opt.dynamic_scale, opt.step_counter
+        assert (opt.initial_scale, opt.dynamic_growth_steps) == (64.0, 2)
+    assert float(scale.numpy()) == opt.loss_scale == 64.0 and int(steps.numpy()) == 1
+    opt.apply([keras.ops.ones(3)], [var])
+    assert float(scale.numpy()) == 128.0 and int(steps.numpy()) == 0
+
+
 # ------------------------------------------------------------------ the face
 
 
-def test_the_face_shows_what_both_paths_take():
+def test_the_face_takes_settings_and_overrides():
     sig = inspect.signature(kmp.wrap_optimizer)
-    assert list(sig.parameters) == ["optimizer", "settings", *FIELDS, "path_options"]
-    assert all(sig.parameters[k].default is NOT_GIVEN for k in FIELDS)
-    assert not hasattr(kmp.wrap_optimizer, "__wrapped__")  # not Keras 3's signature any more
+    assert list(sig.parameters) == ["optimizer", "settings", "overrides"]
     doc = kmp.wrap_optimizer.__doc__
     assert "tf-keras" in doc and "Keras 3" in doc and "OptimizerSettings" in doc
-    # Every field the face shows is one the tf-keras path takes too (or refuses clearly).
-    keras2_params = inspect.signature(keras2.wrap_optimizer).parameters
-    assert set(FIELDS) <= set(keras2_params)
 
 
 def test_public_names():
@@ -283,4 +321,3 @@ def test_public_names():
     assert kmp.wrap_optimizer is _dispatch.wrap_optimizer
     assert kmp.OptimizerSettings is optimizer_settings.OptimizerSettings
     assert "OptimizerSettings" in kmp.__all__ and "OptimizerSettings" in dir(kmp)
-    assert OptimizerSettings.__doc__ and "combine" in OptimizerSettings.__doc__

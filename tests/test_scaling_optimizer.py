@@ -15,8 +15,7 @@ import keras
 import numpy as np
 import pytest
 
-import kmp
-import kmp.distributed as dist
+from kmp._launcher_env import LAUNCH_SIZE_VARS
 from kmp.optimizer import DistributedLossScaleOptimizer, wrap_optimizer
 from tests._support import ROOT, requires_horovod, run_workers
 from tests._training import Weights, data, fit, max_diff, model_for
@@ -198,7 +197,7 @@ def test_save_and_load_keep_loss_scale_state(tmp_path):
     assert isinstance(lo, DistributedLossScaleOptimizer)
     assert (lo.loss_scale, lo.skipped_steps, int(lo.iterations)) == state
     assert lo.loss_scale_mode == "dynamic"
-    assert lo.settings() == opt.settings()
+    assert lo.settings == opt.settings
     # Both continue identically.
     fit(model, opt, x, y)
     loaded.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
@@ -236,118 +235,20 @@ def test_config_round_trip():
     keras.config.set_dtype_policy("mixed_float16")
     again = keras.saving.deserialize_keras_object(cfg)
     assert isinstance(again, DistributedLossScaleOptimizer)
-    assert again.settings() == opt.settings()
+    assert again.settings == opt.settings
     assert again.loss_scale_mode == "none"  # decided once, kept
     assert float(again.learning_rate.numpy()) == pytest.approx(3e-3)
 
 
-def test_a_config_saved_before_the_rule_existed_still_loads():
-    old = {
-        "name": "old",
-        "inner_optimizer": keras.saving.serialize_keras_object(keras.optimizers.SGD(0.1)),
-        "loss_scale": "dynamic",
-        "initial_scale": 256.0,
-        "growth_interval": 7,
-        "compression": None,
-        "backward_passes_per_step": 1,
-        "scale_lr": False,
-        "lr_scale": 1.0,
-        "resolved_mode": "dynamic",
-    }
-    opt = DistributedLossScaleOptimizer.from_config(old)
-    assert opt.loss_scale_mode == "dynamic"  # as decided then, whatever the policy now
-    assert (opt.loss_scale, opt.loss_scale_rule.growth_interval) == (256.0, 7)
-    static = DistributedLossScaleOptimizer.from_config({**old, "loss_scale": 64.0,
-                                                        "resolved_mode": "static"})  # fmt: skip
-    assert static.loss_scale_mode == "static" and static.loss_scale == 64.0
-
-
-def test_state_saved_before_the_hysteresis_counter_still_loads():
-    """Files from before overflow_streak existed hold one own variable fewer."""
-    keras.config.set_dtype_policy("mixed_float16")
-    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), backward_passes_per_step=2)
-    w = keras.Variable(np.zeros(3, "float32"))
-    opt.build([w])
-    values = [np.asarray(v) + i + 1 for i, v in enumerate(opt.variables)]
-    streak_at = next(i for i, v in enumerate(opt.variables) if v is opt.overflow_streak_counter)
-    old = {str(i): v for i, v in enumerate(values[:streak_at] + values[streak_at + 1 :])}
-    opt.load_own_variables(old)
-    loaded = [np.asarray(v) for v in opt.variables]
-    assert opt.overflow_streak == 0
-    for i, (got, want) in enumerate(zip(loaded, values, strict=True)):
-        if i != streak_at:
-            np.testing.assert_array_equal(got, want)
-    opt.load_own_variables({str(i): v for i, v in enumerate(values)})  # today's layout
-    assert opt.overflow_streak == values[streak_at]
-
-
-# ----------------------------------------------------------- old names
-
-
-def test_the_old_positional_setting_still_constructs():
-    keras.config.set_dtype_policy("mixed_float16")
-    renamed = r"deprecated.*loss_scale=\.\.\. \(the setting\) or a kmp\.loss_scale\.LossScale"
-    with pytest.warns(DeprecationWarning, match=renamed):
-        opt = DistributedLossScaleOptimizer(keras.optimizers.SGD(), "dynamic", growth_interval=7)
-    assert opt.loss_scale_mode == "dynamic" and opt.dynamic_growth_steps == 7
-    with pytest.warns(
-        DeprecationWarning, match=r"loss_scale_arg is deprecated.*loss_scale_setting"
-    ):
-        assert opt.loss_scale_arg == "dynamic"
-    assert opt.loss_scale_setting == "dynamic"
-    with pytest.warns(DeprecationWarning):
-        static = DistributedLossScaleOptimizer(keras.optimizers.SGD(), 64.0)
-    assert static.loss_scale_mode == "static" and static.loss_scale == 64.0
-    with pytest.raises(TypeError, match="either in the LossScale or as keyword arguments"):
-        DistributedLossScaleOptimizer(
-            keras.optimizers.SGD(), kmp.loss_scale.LossScale("dynamic"), hysteresis=2
-        )
-
-
-def test_the_rule_keyword_is_now_loss_scale_rule():
-    rule = kmp.loss_scale.LossScale("static", initial_scale=8.0)
-    opt = DistributedLossScaleOptimizer(keras.optimizers.SGD(), loss_scale_rule=rule)
-    assert opt.loss_scale_rule is rule and opt.loss_scale == 8.0
-    with pytest.warns(DeprecationWarning, match=r"rule=\.\.\.\) is deprecated.*loss_scale_rule="):
-        old = DistributedLossScaleOptimizer(keras.optimizers.SGD(), rule=rule)
-    assert old.loss_scale_rule is rule
-    with (
-        pytest.warns(DeprecationWarning),
-        pytest.raises(TypeError, match="either in the LossScale or as keyword arguments"),
-    ):
-        DistributedLossScaleOptimizer(keras.optimizers.SGD(), rule=rule, hysteresis=2)
-
-
-@pytest.mark.parametrize(
-    ("old", "new", "holds"),
-    [
-        ("step_counter", "good_steps_counter", "finite steps since the scale moved"),
-        ("dynamic_scale", "loss_scale_variable", "the loss scale, static or dynamic"),
-    ],
-)
-def test_the_old_variable_names_warn_and_still_read_and_write(old, new, holds):
-    keras.config.set_dtype_policy("mixed_float16")
-    opt = wrap_optimizer(keras.optimizers.SGD(), loss_scale=64.0)  # a static scale too
-    opt.build([keras.Variable(np.zeros(2, "float32"))])
-    with pytest.warns(
-        DeprecationWarning, match=rf"\.{old} is deprecated.*\.{new} \(it holds {holds}"
-    ):
-        alias = getattr(opt, old)
-    assert alias is getattr(opt, new)
-    with pytest.warns(DeprecationWarning, match=old):
-        setattr(opt, old, getattr(opt, new))  # the same variable back: nothing changes
-    assert getattr(opt, new) is alias
-    assert float(keras.ops.convert_to_numpy(opt.loss_scale_variable)) == opt.loss_scale == 64.0
-
-
-def test_the_new_names_do_not_warn(recwarn):
+def test_keras_names_do_not_warn(recwarn):
     keras.config.set_dtype_policy("mixed_float16")
     x, y = data()
     x[16:32] = 1e30
     opt = wrap_optimizer(keras.optimizers.SGD(), growth_interval=2)
     fit(model_for("mixed_float16"), opt, x, y)
-    assert (int(keras.ops.convert_to_numpy(opt.good_steps_counter)), opt.skipped_steps) == (0, 1)
-    assert float(keras.ops.convert_to_numpy(opt.loss_scale_variable)) == opt.loss_scale
+    # Keras's LossScaleOptimizer names: the finite steps since the scale moved, the scale.
+    assert (int(keras.ops.convert_to_numpy(opt.step_counter)), opt.skipped_steps) == (0, 1)
+    assert float(keras.ops.convert_to_numpy(opt.dynamic_scale)) == opt.loss_scale
     assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)
                 and "kmp" in str(w.filename)]  # fmt: skip
 
@@ -407,7 +308,7 @@ def test_jax_backend_single_process_loss_scaling(tmp_path):
         "PYTHONPATH": str(ROOT),
         "JAX_PLATFORMS": "cpu",
     }
-    for var in dist.LAUNCH_SIZE_VARS:
+    for var in LAUNCH_SIZE_VARS:
         env.pop(var, None)
     proc = subprocess.run(
         [sys.executable, "-c", JAX_SCRIPT], env=env, capture_output=True, text=True, timeout=300

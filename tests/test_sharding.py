@@ -17,9 +17,8 @@ def test_shard_counts_deal_full_batches_and_count_what_is_left_out():
         sharding.shard_counts("d", "train", 10, 2, 8)
 
 
-def test_the_public_spellings_are_the_same_objects():
+def test_the_public_spelling_is_the_same_object():
     assert data.ShardSpec is sharding.ShardSpec
-    assert data.shard_counts is sharding.shard_counts
 
 
 def test_resolve_world_checks_what_it_is_given_and_defaults_to_this_process():

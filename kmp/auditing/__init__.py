@@ -4,7 +4,8 @@ The report has one row per layer (recursing into nested models and into the subl
 of any layer, so the attention and norms inside a KerasHub transformer block are seen)
 and a list of findings, each with a severity. Normalisation layers and attention masks
 are not judged by their class: a clone is run in 16 bits and in float32 and compared
-(:mod:`kmp.auditing.probe`).
+(:mod:`kmp.auditing.measured`). The layers and their paths are those of
+:func:`kmp.layer_walk.walk`, which ``kmp.probe`` and ``kmp.keep_float32`` take too.
 
 =======================  ========  =====================================================
 code                     severity  meaning
@@ -38,7 +39,7 @@ float32-large-layer      warning   a layer computing in float32 in a 16-bit cont
                                    custom layer between 16-bit layers or a layer kept
                                    with ``kmp.keep_float32``
 not-checked              info      something the audit could not read or measure
-                                   (unknown activation, probe that could not run,
+                                   (unknown activation, check that could not run,
                                    outputs of a subclassed model)
 =======================  ========  =====================================================
 
@@ -50,13 +51,14 @@ from __future__ import annotations
 
 import keras
 
-from kmp.auditing.probe import Prober
+from kmp.auditing.facts import consumer_map, layer_facts, layer_row, model_output_layers
+from kmp.auditing.measured import MeasuredChecks
 from kmp.auditing.report import AuditReport, Finding, LayerRow, sort_findings
 from kmp.auditing.rules import AuditContext, layer_findings, output_findings
-from kmp.auditing.walk import consumer_map, layer_facts, layer_row, model_output_layers, walk
+from kmp.layer_walk import walk
 from kmp.layers import has_float32_outputs, upcasting_reverse_head
 
-__all__ = ["AuditReport", "Finding", "LayerRow", "audit"]
+__all__ = ["AuditReport", "audit"]
 
 
 def _model_outputs(model: keras.Model) -> list | None:
@@ -109,19 +111,20 @@ def audit(model: keras.Model) -> AuditReport:
         total = model.count_params()
     except Exception:
         total = sum(int(keras.ops.size(v)) for v in model.weights)
-    setting = getattr(getattr(model, "optimizer", None), "master_weights", None)
+    settings = getattr(getattr(model, "optimizer", None), "settings", None)
+    setting = getattr(settings, "master_weights", None)
     ctx = AuditContext(global_policy, max(int(total), 1), setting)
     outputs = _model_outputs(model)
     output_ids = model_output_layers(outputs or [])
-    visits = list(walk(model))
+    visits = [v for v in walk(model) if not v.is_nested_model]  # its layers have rows
     consumers = consumer_map(visits)
-    prober = Prober()
+    checks = MeasuredChecks()
     rows: list[LayerRow] = []
     findings: list[Finding] = []
     for v in visits:
         rows.append(layer_row(v))
         try:
-            facts = layer_facts(v, consumers, output_ids, prober)
+            facts = layer_facts(v, consumers, output_ids, checks)
         except Exception as exc:
             findings.append(
                 Finding(
@@ -165,7 +168,7 @@ def audit(model: keras.Model) -> AuditReport:
                 )
             )
         findings.extend(output_findings(i, _output_layer_name(t), dtype, _last_dim(t)))
-    # The global policy is never changed, but a probe restores it: make sure of it.
+    # The global policy is never changed, but a measured check restores it: make sure of it.
     if keras.config.dtype_policy().name != global_policy:  # pragma: no cover - defensive
         keras.config.set_dtype_policy(global_policy)
     return AuditReport(model.name, global_policy, tuple(rows), sort_findings(findings))

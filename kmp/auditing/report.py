@@ -16,11 +16,11 @@ _ORDER = {"error": 0, "warning": 1, "info": 2}
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
-    """What a probe measured by running a layer.
+    """What a measured check found by running a layer.
 
     Attributes:
         status: ``"ok"`` (behaves like float32), ``"bad"`` (does not) or ``"unknown"``
-            (the probe could not run; ``detail`` says why).
+            (the check could not run; ``detail`` says why).
         detail: What was measured, in words.
         error: The measured error against float32 (``inf`` for non-finite output).
     """
@@ -52,8 +52,8 @@ class LayerFacts:
         in_float32_parent: An enclosing layer already computes in float32.
         parent_policy: The policy of the layer it sits in (None at a model's level).
         kept_float32: :func:`kmp.keep_float32` kept it (or a layer around it) in float32.
-        norm_probe: The measured normalisation check, for norms computing in 16 bits.
-        mask_probe: The measured attention-mask check, for attention computing in 16 bits.
+        norm_check: The measured normalisation check, for norms computing in 16 bits.
+        mask_check: The measured attention-mask check, for attention computing in 16 bits.
         problem: Why the layer could not be inspected, if it could not.
     """
 
@@ -72,8 +72,8 @@ class LayerFacts:
     in_float32_parent: bool = False
     parent_policy: str | None = None
     kept_float32: bool = False
-    norm_probe: Measurement | None = None
-    mask_probe: Measurement | None = None
+    norm_check: Measurement | None = None
+    mask_check: Measurement | None = None
     problem: str | None = None
 
 

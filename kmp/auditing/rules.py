@@ -1,6 +1,6 @@
 """The audit's rules: pure functions from a layer's facts to findings.
 
-Every rule reads :class:`~kmp.auditing.report.LayerFacts` (the measured probes
+Every rule reads :class:`~kmp.auditing.report.LayerFacts` (the measured checks
 included) and nothing else, so each can be tested without a model. The codes and
 severities are listed in :mod:`kmp.auditing`.
 """
@@ -117,22 +117,22 @@ def _lossy(f: LayerFacts, message: str) -> Finding:
 
 
 def _norm(f: LayerFacts) -> list[Finding]:
-    probe = f.norm_probe
+    check = f.norm_check
     if (
         "norm" not in f.kinds
         or f.compute not in LOW_FLOATS
-        or probe is None
-        or probe.status == "ok"
+        or check is None
+        or check.status == "ok"
     ):
         return []
-    if probe.status == "unknown":
+    if check.status == "unknown":
         return [
             Finding(
                 "info",
                 "not-checked",
                 f.path,
                 f"{f.class_name} computes in {f.compute}; whether it upcasts its statistics "
-                f"was not measured: {probe.detail}.",
+                f"was not measured: {check.detail}.",
             )
         ]
     return [
@@ -140,7 +140,7 @@ def _norm(f: LayerFacts) -> list[Finding]:
             "warning",
             "low-precision-norm",
             f.path,
-            f"{f.class_name} computes its statistics in {f.compute}: measured {probe.detail}. "
+            f"{f.class_name} computes its statistics in {f.compute}: measured {check.detail}. "
             "Give it dtype='float32' or upcast inside the layer (compute mean and variance "
             "in float32, cast the result back).",
         )
@@ -155,14 +155,14 @@ def _attention(f: LayerFacts) -> list[Finding]:
     if f.compute not in LOW_FLOATS and not softmax_low:
         return []
     out = []
-    probe = f.mask_probe
-    if probe is not None and probe.status == "bad":
+    check = f.mask_check
+    if check is not None and check.status == "bad":
         out.append(
             Finding(
                 "error",
                 "attention-mask-overflow",
                 f.path,
-                f"with a mask in {f.compute}, measured {probe.detail}: a large negative "
+                f"with a mask in {f.compute}, measured {check.detail}: a large negative "
                 "constant (e.g. -1e9) does not fit in float16 (max 65504) and becomes -inf "
                 "or NaN. Build the mask with the dtype's own minimum, or apply it in float32.",
             )
@@ -188,7 +188,7 @@ def _attention(f: LayerFacts) -> list[Finding]:
         )
     else:
         advice = "bfloat16 keeps float32's range, so this only costs a little precision."
-    mask = f"Mask check: {probe.detail}." if probe is not None and probe.status != "bad" else ""
+    mask = f"Mask check: {check.detail}." if check is not None and check.status != "bad" else ""
     out.append(
         Finding(
             severity,
@@ -276,7 +276,7 @@ def layer_findings(f: LayerFacts, ctx: AuditContext) -> list[Finding]:
     """Every finding for one layer.
 
     Args:
-        f: The layer's facts, probes included.
+        f: The layer's facts, measured checks included.
         ctx: The model-wide context.
 
     Returns:

@@ -33,26 +33,23 @@ prints progress bars::
 
 from kmp.callbacks._ranks import verbosity
 from kmp.callbacks.broadcast import BroadcastInitialState
-from kmp.callbacks.checkpoint import DEFAULT_CHECKPOINT_NAME as DEFAULT_CHECKPOINT_NAME
-from kmp.callbacks.checkpoint import DEFAULT_WEIGHTS_NAME as DEFAULT_WEIGHTS_NAME
-from kmp.callbacks.checkpoint import AtomicCheckpoint, Checkpoint, atomic_save, latest_checkpoint
+from kmp.callbacks.checkpoint import AtomicCheckpoint, latest_checkpoint
 from kmp.callbacks.chief_only import ChiefOnly, chief_only
 from kmp.callbacks.defaults import default_callbacks
 from kmp.callbacks.metrics import MetricAverage
 from kmp.callbacks.monitor import LossScaleMonitor
 from kmp.callbacks.warmup import LearningRateWarmup
 
-# DEFAULT_CHECKPOINT_NAME and DEFAULT_WEIGHTS_NAME (the redundant aliases above) are public
-# too, reachable as kmp.callbacks.NAME, but are not star-exported.
+# What a training script calls (tests/test_public_api.py pins it). ``latest_checkpoint``
+# returns a kmp.callbacks.checkpoint.FoundCheckpoint (``.path``, ``.epoch``), which no
+# script builds; the atomic write helper (``atomic_save``) stays in that module too.
 __all__ = [
     "AtomicCheckpoint",
     "BroadcastInitialState",
-    "Checkpoint",
     "ChiefOnly",
     "LearningRateWarmup",
     "LossScaleMonitor",
     "MetricAverage",
-    "atomic_save",
     "chief_only",
     "default_callbacks",
     "latest_checkpoint",

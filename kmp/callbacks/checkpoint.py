@@ -19,14 +19,7 @@ from kmp.callbacks._ranks import is_chief, to_float
 from kmp.saving import save_model
 from kmp.training_state import gather_seed_states
 
-__all__ = [
-    "DEFAULT_CHECKPOINT_NAME",
-    "DEFAULT_WEIGHTS_NAME",
-    "AtomicCheckpoint",
-    "Checkpoint",
-    "atomic_save",
-    "latest_checkpoint",
-]
+__all__ = ["AtomicCheckpoint", "FoundCheckpoint", "atomic_save", "latest_checkpoint"]
 
 # File names used when AtomicCheckpoint is given a directory.
 DEFAULT_CHECKPOINT_NAME = "ckpt-{epoch:04d}.keras"
@@ -35,8 +28,8 @@ DEFAULT_WEIGHTS_NAME = "ckpt-{epoch:04d}.weights.h5"
 _TMP_PREFIX = ".tmp-"
 
 
-class Checkpoint(NamedTuple):
-    """A checkpoint found by :func:`latest_checkpoint`.
+class FoundCheckpoint(NamedTuple):
+    """What :func:`latest_checkpoint` found: a file and its epoch (not a callback).
 
     Attributes:
         path: The file, or None when there is none.
@@ -90,7 +83,7 @@ def _checkpoints(directory: str, template: str) -> list[tuple[int, str]]:
     return found
 
 
-def latest_checkpoint(directory: str | os.PathLike, template: str | None = None) -> Checkpoint:
+def latest_checkpoint(directory: str | os.PathLike, template: str | None = None) -> FoundCheckpoint:
     """Find the newest checkpoint in ``directory``, to resume training from it.
 
     Args:
@@ -99,9 +92,9 @@ def latest_checkpoint(directory: str | os.PathLike, template: str | None = None)
             names, ``ckpt-{epoch:04d}.keras`` and ``ckpt-{epoch:04d}.weights.h5``.
 
     Returns:
-        ``Checkpoint(path, epoch)`` of the highest epoch, or ``Checkpoint(None, 0)``
-        when there is none. ``epoch`` is the number of completed epochs: pass
-        it to ``fit(initial_epoch=...)``.
+        ``FoundCheckpoint(path, epoch)`` of the highest epoch, or
+        ``FoundCheckpoint(None, 0)`` when there is none. ``epoch`` is the number
+        of completed epochs: pass it to ``fit(initial_epoch=...)``.
 
     Raises:
         ValueError: ``template`` has no ``{epoch}`` field.
@@ -118,9 +111,9 @@ def latest_checkpoint(directory: str | os.PathLike, template: str | None = None)
     templates = default if template is None else [template]
     found = [c for t in templates for c in _checkpoints(directory, t)]
     if not found:
-        return Checkpoint(None, 0)
+        return FoundCheckpoint(None, 0)
     epoch, path = max(found)
-    return Checkpoint(path, epoch)
+    return FoundCheckpoint(path, epoch)
 
 
 def atomic_save(path: str | os.PathLike, save: Callable[[str], Any]) -> str:
@@ -258,7 +251,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         """The directory checkpoints are written to."""
         return os.path.dirname(os.path.abspath(self.filepath))
 
-    def latest(self) -> Checkpoint:
+    def latest(self) -> FoundCheckpoint:
         """Return the newest checkpoint of this callback's name pattern.
 
         See :func:`latest_checkpoint`.

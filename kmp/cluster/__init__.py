@@ -1,6 +1,7 @@
 """The machinery of ``kmp cluster``: a multi-host cluster on one Linux machine.
 
-* :mod:`kmp.cluster.plan`: the pure decisions (names, addresses, namespaces, configurations);
+* :mod:`kmp.cluster.blueprint`: the pure decisions, the plan (names, addresses, namespaces,
+  configurations);
 * :mod:`kmp.cluster.ops`: acting on the plan (``up``, ``down``, ``status``, ``exec_on``);
 * :mod:`kmp.cluster.state`: errors, system commands, the recorded state and its lock.
 

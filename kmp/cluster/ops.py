@@ -1,6 +1,6 @@
 """What ``kmp cluster`` does to the machine: namespaces, veths, sshd, files, and undoing them.
 
-:func:`up` realises a :class:`~kmp.cluster.plan.ClusterPlan` step by
+:func:`up` realises a :class:`~kmp.cluster.blueprint.ClusterPlan` step by
 step and records each step in the cluster's ``state.json``
 (:mod:`kmp.cluster.state`) before taking the next, so :func:`down`
 removes exactly what was made, also after a failed ``up`` (which calls it
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kmp.cluster import plan as cp
+from kmp.cluster import blueprint as cp
 from kmp.cluster import state as cs
 from kmp.cluster.state import (
     ClusterError,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kmp._files import atomic_write_text
-from kmp.cluster import plan as cp
+from kmp.cluster import blueprint as cp
 
 __all__ = [
     "ClusterError",

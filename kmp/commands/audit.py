@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kmp.commands import command_main
+from kmp.commands import command_main, tensorflow_notices_dropped
 
 __all__ = ["configure", "main", "run"]
 
@@ -37,10 +37,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    import keras
+    with tensorflow_notices_dropped():
+        import keras
 
-    import kmp.layers  # noqa: F401  (registers Float32Output for loading)
-    from kmp.auditing import audit
+        import kmp.layers  # noqa: F401  (registers Float32Output for loading)
+        from kmp.auditing import audit
 
     try:
         model = keras.saving.load_model(path, compile=False)

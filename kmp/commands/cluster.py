@@ -27,9 +27,9 @@ import json
 import sys
 from collections.abc import Sequence
 
+from kmp.cluster import blueprint as cp
 from kmp.cluster import ops
-from kmp.cluster import plan as cp
-from kmp.commands import command_main
+from kmp.commands import command_main, format_table
 
 __all__ = ["configure", "main", "run"]
 
@@ -58,8 +58,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _print_up(plan: cp.ClusterPlan) -> None:
     print(f"cluster {plan.name!r} is up: {len(plan.hosts)} host(s)")
-    for h in plan.hosts:
-        print(f"  {h.name}  {h.address}  netns {h.netns}  eth0")
+    rows = [(h.name, h.address, f"netns {h.netns}", "eth0") for h in plan.hosts]
+    print(format_table(rows, indent="  "))
     if plan.rate:
         print(f"  links shaped to {plan.rate}")
     print(f"-H {plan.host_list()}")
@@ -115,10 +115,12 @@ def run(args: argparse.Namespace) -> int:
             elif not info["up"]:
                 print(f"no cluster {args.name!r} is up")
             else:
-                for h in info["hosts"]:
-                    alive = "sshd up" if h["sshd_alive"] else "sshd DOWN"
-                    print(f"{h['name']}  {h['address']}  netns {h['netns']}  pid {h['sshd_pid']}"
-                          f"  {alive}")  # fmt: skip
+                rows = [
+                    (h["name"], h["address"], f"netns {h['netns']}", f"pid {h['sshd_pid']}",
+                     "sshd up" if h["sshd_alive"] else "sshd DOWN")
+                    for h in info["hosts"]
+                ]  # fmt: skip
+                print(format_table(rows))
             return 0 if info["up"] else 1
         name, command = _split_exec(args.name, list(args.command))
         return ops.exec_on(name, args.host, command)

@@ -1,7 +1,7 @@
 """``kmp doctor``: versions, Horovod build facts, hardware, and what "auto" picks.
 
 ``kmp doctor`` prints a report; ``kmp doctor --json`` prints one JSON object whose
-stable keys are documented in :mod:`kmp.install.doctor` (which gathers the facts;
+stable keys are documented in :mod:`kmp.install.stack_report` (which gathers the facts;
 the warnings come from :func:`kmp.install.checks.diagnose`).
 """
 
@@ -12,8 +12,8 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kmp.commands import command_main
-from kmp.install.doctor import collect, format_report
+from kmp.commands import command_main, tensorflow_notices_dropped
+from kmp.install.stack_report import collect, format_report
 
 __all__ = ["configure", "main", "run"]
 
@@ -25,7 +25,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report; always exits 0 (a missing Horovod is reported, not fatal)."""
-    info = collect()
+    with tensorflow_notices_dropped():  # collect imports TensorFlow and Horovod
+        info = collect()
     print(json.dumps(info, indent=2) if args.json else format_report(info))
     return 0
 

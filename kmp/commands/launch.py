@@ -18,10 +18,10 @@ instead of a Gloo abort or a hang (``--no-preflight`` skips this).
 This module is the command line only. The machinery lives in
 :mod:`kmp.launching`: host lists in :mod:`kmp.launching.hosts`
 (:func:`~kmp.launching.hosts.parse_hosts`, :func:`~kmp.launching.hosts.read_hostfile`),
-the command in :mod:`kmp.launching.plan` (:func:`~kmp.launching.plan.build_command`,
-pure, and :func:`~kmp.launching.plan.execute`, the only one that starts a process),
+the command in :mod:`kmp.launching.job` (:func:`~kmp.launching.job.build_command`,
+pure, and :func:`~kmp.launching.job.execute`, the only one that starts a process),
 ``--elastic`` in :mod:`kmp.launching.elastic` and ``--engine`` in
-:mod:`kmp.launching.engines`.
+:mod:`kmp.launching.engine_env`.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from collections.abc import Sequence
 
 from kmp.commands import command_main
 from kmp.launching.elastic import configure_elastic, options_from_args
-from kmp.launching.engines import configure_engine
+from kmp.launching.engine_env import configure_engine
 from kmp.launching.hosts import LaunchError, parse_hosts, read_hostfile
-from kmp.launching.plan import build_command, execute, format_command
+from kmp.launching.job import build_command, execute, format_command
 
 __all__ = ["configure", "main", "run"]
 

@@ -39,27 +39,15 @@ from kmp import _checks
 from kmp import loss_scale as _ls
 from kmp._imports import optional_import
 from kmp._legacy_keras import (
-    LEGACY_KERAS_ENV_VAR,
     is_legacy_keras,
     is_tf_keras_object,
     set_legacy_global_policy,
 )
-from kmp._names import POLICY_NAMES
 from kmp.learning_rate import scaled_learning_rate
 from kmp.optimizer_settings import OptimizerSettings
 
-__all__ = [
-    "LEGACY_KERAS_ENV_VAR",
-    "POLICY_NAMES",
-    "TF_KERAS_RULE",
-    "broadcast_callback",
-    "is_legacy_keras",
-    "keras_module_for",
-    "set_global_policy",
-    "wrap_optimizer",
-]
+__all__ = ["broadcast_callback", "is_legacy_keras", "set_global_policy", "wrap_optimizer"]
 
-NOT_GIVEN = _checks.NOT_GIVEN
 # The loss-scale knobs tf-keras's LossScaleOptimizer has fixed: its scale doubles, halves,
 # never drops below 1 and has no upper bound but float32's; it backs off at every overflow.
 TF_KERAS_RULE: dict[str, float] = {
@@ -160,7 +148,9 @@ def _check_optimizer(optimizer: Any, km: ModuleType) -> None:
         )
 
 
-def _tf_keras_rule(chosen: OptimizerSettings, km: ModuleType) -> _ls.LossScale:
+def _tf_keras_rule(
+    chosen: OptimizerSettings, asked: dict[str, Any], km: ModuleType
+) -> _ls.LossScale:
     """Resolve the loss-scale setting with kmp's rule; refuse knobs tf-keras cannot honour.
 
     tf-keras's scale has no upper bound but float32's, so that is the range checked here
@@ -174,7 +164,7 @@ def _tf_keras_rule(chosen: OptimizerSettings, km: ModuleType) -> _ls.LossScale:
         if not rule.dynamic or rule.max_scale >= _ls.FLOAT32_MAX:
             asked.pop("max_scale")
     else:
-        asked = {k: v for k, v in chosen.given().items() if k in _ls.KNOBS}
+        asked = {k: v for k, v in asked.items() if k in _ls.KNOBS}
     fixed = [
         f"{k}={asked[k]!r} (tf-keras uses {v!r})"
         for k, v in TF_KERAS_RULE.items()
@@ -193,24 +183,10 @@ def _tf_keras_rule(chosen: OptimizerSettings, km: ModuleType) -> _ls.LossScale:
 
 def wrap_optimizer(
     optimizer: Any,
-    *,
     settings: OptimizerSettings | None = None,
-    loss_scale: str | float | _ls.LossScale | None = NOT_GIVEN,
-    initial_scale: float = NOT_GIVEN,
-    growth_interval: int = NOT_GIVEN,
-    growth_factor: float = NOT_GIVEN,
-    backoff_factor: float = NOT_GIVEN,
-    min_scale: float = NOT_GIVEN,
-    max_scale: float = NOT_GIVEN,
-    hysteresis: int = NOT_GIVEN,
-    compression: Any = NOT_GIVEN,
-    backward_passes_per_step: int = NOT_GIVEN,
-    scale_lr: bool = NOT_GIVEN,
-    bucket_bytes: int | None = NOT_GIVEN,
-    sparse_gradients: str = NOT_GIVEN,
-    master_weights: str = NOT_GIVEN,
-    rounding_seed: int = NOT_GIVEN,
+    *,
     keras_module: ModuleType | None = None,
+    **overrides: Any,
 ) -> Any:
     """Wrap a tf-keras optimizer as ``LossScaleOptimizer(hvd.DistributedOptimizer(opt))``.
 
@@ -220,46 +196,33 @@ def wrap_optimizer(
     arguments are checked by the same rule as :func:`kmp.wrap_optimizer`
     (:mod:`kmp.loss_scale`); tf-keras's own ``LossScaleOptimizer`` does the
     scaling, so the knobs it has fixed (:data:`TF_KERAS_RULE`) cannot be changed
-    here, and its scale has no ``max_scale``. The settings, their defaults
-    (:data:`kmp.optimizer_settings.DEFAULTS`) and the rule for ``settings=`` with
-    keyword arguments are :class:`kmp.OptimizerSettings`'s, as for
+    here, and its scale has no ``max_scale``. The settings are one
+    :class:`kmp.OptimizerSettings`, with keyword arguments overriding its fields, as for
     :func:`kmp.wrap_optimizer`.
 
     Args:
         optimizer: A ``tf_keras.optimizers`` optimizer (new or legacy). A
             ``LossScaleOptimizer`` is unwrapped and a fresh copy of its inner
             optimizer re-wrapped.
-        settings: An :class:`kmp.OptimizerSettings` holding any of the fields below.
-        loss_scale: ``"dynamic"`` (default): dynamic loss scaling when the
-            module's global policy computes in float16 (read when this is
-            called), none otherwise; ``"force_dynamic"``: dynamic scaling under
-            any policy; a positive number: a fixed loss scale (tf-keras then
-            applies non-finite steps too, unlike :func:`kmp.wrap_optimizer`);
-            None: no loss scaling; or a :class:`kmp.loss_scale.LossScale` whose knobs
-            tf-keras has (a dynamic one with ``max_scale=kmp.loss_scale.FLOAT32_MAX``).
-        initial_scale: The first dynamic loss scale (default ``2**15``, >= 1).
-        growth_interval: Finite steps in a row before the dynamic scale doubles
-            (``dynamic_growth_steps``, default 2000).
-        growth_factor: Only tf-keras's 2.0.
-        backoff_factor: Only tf-keras's 0.5.
-        min_scale: Only tf-keras's 1.0.
-        max_scale: Not available (tf-keras's scale has no upper bound).
-        hysteresis: Only tf-keras's 1.
-        compression: None, ``"fp16"``, or a Horovod ``Compression`` class.
-        backward_passes_per_step: Batches whose gradients are accumulated locally
-            (and averaged) before one allreduce and update.
-        scale_lr: Multiply the learning rate by the number of ranks (in place,
-            before wrapping; a schedule cannot be scaled here).
-        bucket_bytes: Only None (when not given, kmp's buckets are simply not used):
-            Horovod's Keras layer reduces the gradients itself.
-        sparse_gradients: ``"gather"`` (default): Horovod allgathers sparse
-            gradients (``tf.IndexedSlices``, from ``Embedding``), uncompressed (its
-            compression is for dense tensors); ``"dense"``: Horovod's
-            ``sparse_as_dense=True``. With ``backward_passes_per_step > 1`` they are
-            always densified (Horovod accumulates dense tensors only).
-        master_weights: Only its default, ``"auto"``: tf-keras updates the weights in
-            their own dtype (kmp's master-weight modes are Keras 3 only).
-        rounding_seed: Only its default, 0 (Keras 3 only, like ``master_weights``).
+        settings: A :class:`kmp.OptimizerSettings`; None: the defaults. On this path:
+            ``loss_scale`` follows the module's global policy (read when this is called);
+            a static scale makes tf-keras apply non-finite steps too, unlike
+            :func:`kmp.wrap_optimizer`; a ``LossScale`` must have the knobs tf-keras has
+            (a dynamic one with ``max_scale=kmp.loss_scale.FLOAT32_MAX``).
+            ``initial_scale`` must be >= 1 and ``growth_interval`` is tf-keras's
+            ``dynamic_growth_steps``; ``growth_factor``, ``backoff_factor``,
+            ``min_scale`` and ``hysteresis`` can only be tf-keras's
+            (:data:`TF_KERAS_RULE`); ``max_scale`` cannot be set (the scale has no upper
+            bound). ``compression`` may also be a Horovod ``Compression`` class.
+            ``scale_lr`` scales the rate in place (a schedule cannot be scaled here).
+            ``bucket_bytes`` can only be None or its default: Horovod's Keras layer
+            reduces the gradients itself. ``sparse_gradients="gather"`` lets Horovod
+            allgather sparse gradients, uncompressed; ``"dense"`` is its
+            ``sparse_as_dense=True`` (always so with ``backward_passes_per_step > 1``).
+            ``master_weights`` and ``rounding_seed`` can only be their defaults
+            (tf-keras updates weights in their own dtype).
+        **overrides: Fields of :class:`kmp.OptimizerSettings` that replace those of
+            ``settings``.
         keras_module: ``tf_keras``; None takes the optimizer's own module.
 
     Returns:
@@ -267,13 +230,13 @@ def wrap_optimizer(
 
     Raises:
         TypeError: ``optimizer`` is a Keras 3 optimizer (use ``kmp.wrap_optimizer``)
-            or not an optimizer, ``settings`` is not an ``OptimizerSettings``, or an
-            argument has the wrong type.
-        ValueError: An already wrapped optimizer, a bad argument, one given in
-            ``settings`` and as a keyword differently, or a setting tf-keras does not have.
+            or not an optimizer, ``settings`` is not an ``OptimizerSettings``, an
+            override is not a setting, or a value has the wrong type.
+        ValueError: An already wrapped optimizer, a bad value, or a setting tf-keras
+            does not have.
         ImportError: Several processes were launched but Horovod is missing.
     """
-    chosen = OptimizerSettings.combine(settings, locals())  # the fields among the arguments
+    chosen, asked = OptimizerSettings.from_arguments(settings, overrides)
     chosen.refuse(
         ("master_weights", "rounding_seed"),
         path="The tf-keras path (kmp.compat.keras2)",
@@ -293,15 +256,14 @@ def wrap_optimizer(
                 "initial_scale": max(1.0, float(optimizer.loss_scale)),
                 "growth_interval": int(optimizer.dynamic_growth_steps),
             }
-            chosen = OptimizerSettings(**{**kept, **chosen.given()})
+            chosen = chosen.with_overrides(**{k: v for k, v in kept.items() if k not in asked})
         inner_opt = optimizer.inner_optimizer
         optimizer = type(inner_opt).from_config(inner_opt.get_config())
     _check_optimizer(optimizer, km)
-    rule = _tf_keras_rule(chosen, km)
-    full = chosen.resolved()
-    passes = full["backward_passes_per_step"]
-    as_dense = full["sparse_gradients"] == "dense" or passes > 1
-    buckets = chosen.given().get("bucket_bytes")
+    rule = _tf_keras_rule(chosen, asked, km)
+    passes = chosen.backward_passes_per_step
+    as_dense = chosen.sparse_gradients == "dense" or passes > 1
+    buckets = asked.get("bucket_bytes")
     if buckets is not None:
         raise ValueError(
             f"bucket_bytes={buckets} is not available on the tf-keras path: Horovod's "
@@ -309,7 +271,7 @@ def wrap_optimizer(
         )
     from kmp import distributed
 
-    comp = _check_compression(full["compression"])
+    comp = _check_compression(chosen.compression)
     distributed.engine()  # a launched job must have called kmp.distributed.init(): says so
     world = distributed.world()
     hvd_keras = None
@@ -317,7 +279,7 @@ def wrap_optimizer(
         hvd_keras = optional_import("horovod.tensorflow.keras", feature="the tf-keras path")
         if comp is None or isinstance(comp, str):
             comp = hvd_keras.Compression.fp16 if comp == "fp16" else hvd_keras.Compression.none
-    if full["scale_lr"]:
+    if chosen.scale_lr:
         raw = getattr(optimizer, "_learning_rate", None)
         optimizer.learning_rate = scaled_learning_rate(
             raw if raw is not None else optimizer.learning_rate,

@@ -47,17 +47,7 @@ from typing import Any
 
 from kmp._imports import optional_import
 
-__all__ = [
-    "BUILDERS",
-    "DATA_DIR_ENV_VAR",
-    "builder",
-    "builder_class",
-    "default_data_dir",
-    "is_prepared",
-    "prepare",
-    "prepared_names",
-    "resolve_data_dir",
-]
+__all__ = ["is_prepared", "prepare"]
 
 DATA_DIR_ENV_VAR = "KMP_DATA_DIR"
 

@@ -37,8 +37,9 @@ step does with sparse gradients; :mod:`kmp.distributed._horovod` (the Horovod
 engine) every call into Horovod and :mod:`kmp.distributed._jax` (the JAX
 engine) every call into JAX's runtime. The
 launcher's environment is read by :mod:`kmp._launcher_env`, and the accepted
-reduction and compression names live in :mod:`kmp._names`; everything is
-re-exported here, where it has always been.
+reduction and compression names live in :mod:`kmp._names`. This package holds
+what a training script calls; the machinery the rest of kmp shares (the
+averaging checks, ``payload_bytes``, the engine classes) stays in its module.
 
 Example::
 
@@ -48,11 +49,6 @@ Example::
     total = kmp.distributed.allreduce(local_count, op="sum")
 """
 
-from __future__ import annotations
-
-from kmp._launcher_env import LAUNCH_SIZE_VARS, launched_world_size
-from kmp._names import COMPRESSIONS, REDUCE_OPS, SPARSE_GRADIENTS, normalize_compression
-from kmp.distributed.buckets import payload_bytes
 from kmp.distributed.collectives import (
     allgather,
     allreduce,
@@ -60,11 +56,8 @@ from kmp.distributed.collectives import (
     barrier,
     broadcast_object,
     broadcast_variables,
-    check_averaging_runtime,
-    gradients_need_allreduce,
     grouped_allreduce,
 )
-from kmp.distributed.engines import ENGINES, Engine
 
 # Imported last on purpose: importing the submodule ``world`` binds it as an attribute
 # of this package, and the function ``world`` imported here must win that name.
@@ -83,32 +76,26 @@ from kmp.distributed.world import (
     world,
 )
 
+# What a training script calls (tests/test_public_api.py pins it). The machinery the rest
+# of kmp shares stays in its module: ``check_averaging_runtime`` and
+# ``gradients_need_allreduce`` in kmp.distributed.collectives, ``payload_bytes`` in
+# kmp.distributed.buckets, ``Engine`` in kmp.distributed.engines, the launcher's
+# variables in kmp._launcher_env, the accepted names (``COMPRESSIONS``, ...) in kmp._names.
 __all__ = [
-    "COMPRESSIONS",
-    "ENGINES",
-    "Engine",
-    "LAUNCH_SIZE_VARS",
-    "REDUCE_OPS",
-    "SPARSE_GRADIENTS",
     "World",
     "allgather",
-    "alone",
     "allreduce",
+    "alone",
     "barrier",
     "broadcast_object",
     "broadcast_variables",
-    "check_averaging_runtime",
     "engine",
-    "gradients_need_allreduce",
     "grouped_allreduce",
     "init",
     "is_chief",
     "is_initialized",
-    "launched_world_size",
     "local_rank",
     "local_size",
-    "normalize_compression",
-    "payload_bytes",
     "rank",
     "restart",
     "size",

@@ -30,7 +30,6 @@ from kmp._checks import check_choice
 from kmp._names import ENGINE_CHOICES
 
 __all__ = [
-    "ENGINES",
     "SINGLE_PROCESS",
     "Engine",
     "SingleProcess",
@@ -39,7 +38,6 @@ __all__ = [
     "layout",
 ]
 
-ENGINES = ENGINE_CHOICES  # kept for kmp.distributed.ENGINES; the names live in kmp._names
 _BACKEND_OF = {"horovod": "tensorflow", "jax": "jax"}
 
 # (rank, size, local_rank, local_size, cross_rank, cross_size)
@@ -194,7 +192,9 @@ def choose_engine(requested: str, backend: str, launched_engine: str | None = No
         ValueError: An unknown engine; an engine that contradicts the launcher's;
             or an engine whose Keras backend is not the one in use.
     """
-    requested = check_choice("engine", requested, ENGINES, hint="'auto' follows the Keras backend.")
+    requested = check_choice(
+        "engine", requested, ENGINE_CHOICES, hint="'auto' follows the Keras backend."
+    )
     if requested != "auto" and launched_engine not in (None, requested):
         raise ValueError(
             f"init(engine={requested!r}), but the job was launched with --engine "

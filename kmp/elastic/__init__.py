@@ -33,9 +33,9 @@ Example (run it with ``kmp launch --elastic --min-np 2 --max-np 4 --hostfile hos
 """
 
 from kmp.elastic.commit import CommitCallback
-from kmp.elastic.data import ElasticData, ShardPlan, epoch_order, plan_shard
+from kmp.elastic.data import ElasticData, ShardPlan, plan_shard
 from kmp.elastic.fit import fit
-from kmp.elastic.run import is_horovod_failure, run
+from kmp.elastic.run import run
 from kmp.elastic.state import KerasState
 
 __all__ = [
@@ -43,9 +43,7 @@ __all__ = [
     "ElasticData",
     "KerasState",
     "ShardPlan",
-    "epoch_order",
     "fit",
-    "is_horovod_failure",
     "plan_shard",
     "run",
 ]

@@ -6,7 +6,7 @@
 * :mod:`kmp.install.progress`: a long build step's log file and progress lines;
 * :mod:`kmp.install.cuda`: the CUDA toolkit and NCCL for a GPU build;
 * :mod:`kmp.install.record`: a Python environment's facts and the build record;
-* :mod:`kmp.install.doctor`: the facts ``kmp doctor`` reports;
+* :mod:`kmp.install.stack_report`: the facts ``kmp doctor`` reports;
 * :mod:`kmp.install.checks`: ``kmp doctor``'s warnings, pure checks of those facts.
 
 The command lines are :mod:`kmp.commands.install_horovod` and :mod:`kmp.commands.doctor`.

@@ -1,6 +1,6 @@
 """What ``kmp doctor`` warns about: pure checks of the facts it gathered.
 
-:func:`diagnose` reads the dict of :func:`kmp.install.doctor.collect` and
+:func:`diagnose` reads the dict of :func:`kmp.install.stack_report.collect` and
 returns one :class:`Finding` per problem, each with the command that fixes it.
 It decides from the facts alone, so every warning is tested with described
 machines (GPUs with a CPU-only TensorFlow, Horovod built against another

@@ -2,9 +2,10 @@
 
 * :mod:`kmp.launching.hosts`: ``-H``, hostfile and discovery-output parsing
   (``Host``, ``LaunchError``);
-* :mod:`kmp.launching.plan`: the launch plan, :func:`~kmp.launching.plan.build_command`
-  (pure) and :func:`~kmp.launching.plan.execute` (the one that starts processes);
-* :mod:`kmp.launching.engines`: ``--engine jax`` (``jax_env``, ``pick_port``, ...);
+* :mod:`kmp.launching.job`: the job, planned by :func:`~kmp.launching.job.build_command`
+  (pure) and run by :func:`~kmp.launching.job.execute` (the one that starts processes);
+* :mod:`kmp.launching.engine_env`: ``--engine``, the variables each engine's processes get
+  (``engine_env``, ``jax_env``, ``pick_port``, ...);
 * :mod:`kmp.launching.elastic`: ``--elastic`` (``ElasticOptions``, ``elastic_args``);
 * :mod:`kmp.launching.preflight`: the host checks before a multi-host job;
 * :mod:`kmp.launching.processes`: running a command with signals passed on;

@@ -40,8 +40,8 @@ def answer_probes(launch: ModuleType, built: Mapping[str, bool]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run Horovod's launcher on ``argv`` (``sys.argv[1:]`` when None)."""
-    # Imported here: kmp.launching.plan reads MODULE, and `kmp launch` should not pay for
-    # the install package's imports (half of plan's import time) to build a command.
+    # Imported here: kmp.launching.job reads MODULE, and `kmp launch` should not pay for
+    # the install package's imports (half of job's import time) to build a command.
     from kmp.install import record
 
     launch = optional_import("horovod.runner.launch", feature="kmp launch on several processes")

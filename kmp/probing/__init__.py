@@ -27,11 +27,11 @@ from typing import Any
 
 import keras
 
-from kmp.probing.record import BACKENDS, Pass, float32_pass
+from kmp.probing.float32_pass import BACKENDS, Pass, float32_pass
 from kmp.probing.report import LayerNumbers, ProbeReport, VariableNumbers
 from kmp.probing.stats import ValueStats, recommend_loss_scale
 
-__all__ = ["LayerNumbers", "ProbeReport", "ValueStats", "VariableNumbers", "probe"]
+__all__ = ["ProbeReport", "probe"]
 
 
 def _loss_function(model: keras.Model, loss: Any, y: Any) -> Callable:

@@ -1,6 +1,6 @@
 """The result of :func:`kmp.probe`: per layer and variable, what float16 and bfloat16 lose.
 
-Plain data built from one float32 pass (:mod:`kmp.probing.record`) and the rules of
+Plain data built from one float32 pass (:mod:`kmp.probing.float32_pass`) and the rules of
 :mod:`kmp.probing.stats`. The verdicts live here, each once:
 
 * a layer whose outputs exceed 65504 overflows float16 in its forward pass: keep it in

@@ -281,7 +281,7 @@ print("test accuracy:", round(model.evaluate(x_test, y_test, verbose=0)[1], 3))
 # `kmp.compat.v1` keeps the graph and the session and replaces the boilerplate around them.
 # Two things are more than renames:
 #
-# * `distributed_optimizer(..., loss_scale="dynamic")` replaces both `hvd.DistributedOptimizer`
+# * `distributed_optimizer(..., loss_scale="force_dynamic")` replaces both `hvd.DistributedOptimizer`
 #   and the deprecated graph-rewrite optimizer. It averages the gradients over the ranks
 #   *before* it unscales and checks them, so every rank skips an overflowing step together; two
 #   separately wrapped optimizers do not guarantee that order.
@@ -322,7 +322,7 @@ with graph.as_default():
         v1.train.AdamOptimizer(0.001),
         scale_lr=True,  # replaces 0.001 * hvd.size()
         compression="fp16",  # replaces hvd.Compression.fp16
-        loss_scale=None,  # "dynamic" together with session_config(mixed_precision="float16")
+        loss_scale=None,  # "force_dynamic" together with session_config(mixed_precision="float16")
     )
     global_step = v1.train.get_or_create_global_step()
     train_op = opt.minimize(loss, global_step=global_step)

@@ -21,7 +21,7 @@
 #    scale and the skipped steps.
 #
 # It is the same model as `launch/train.py --model gpt` (there on 2 ranks); the numerics table
-# in the README compares float32, mixed_bfloat16 and mixed_float16 on it over 3 seeds.
+# in docs/benchmarks.md compares float32, mixed_bfloat16 and mixed_float16 on it over 3 seeds.
 
 # %%
 %matplotlib inline

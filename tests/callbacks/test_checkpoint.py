@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kmp import callbacks as kcb
+from kmp.callbacks.checkpoint import FoundCheckpoint, atomic_save
 from tests.callbacks._helpers import (
     BATCH,
     STEPS,
@@ -29,12 +30,12 @@ def test_atomic_checkpoint_keeps_newest_and_latest_finds_it(tmp_path):
     x, y = make_data()
     model = make_model(keras.optimizers.Adam(0.01))
     ckpt = kcb.AtomicCheckpoint(tmp_path / "ck", keep=2)
-    assert kcb.latest_checkpoint(tmp_path / "ck") == kcb.Checkpoint(None, 0)
+    assert kcb.latest_checkpoint(tmp_path / "ck") == FoundCheckpoint(None, 0)
     model.fit(x, y, batch_size=BATCH, epochs=4, callbacks=[ckpt], verbose=0)
     files = sorted(os.listdir(tmp_path / "ck"))
     assert files == ["ckpt-0003.keras", "ckpt-0004.keras"]
     latest = kcb.latest_checkpoint(tmp_path / "ck")
-    assert latest == kcb.Checkpoint(str(tmp_path / "ck" / "ckpt-0004.keras"), 4)
+    assert latest == FoundCheckpoint(str(tmp_path / "ck" / "ckpt-0004.keras"), 4)
     assert ckpt.latest() == latest
     restored = keras.saving.load_model(latest.path)
     for a, b in zip(model.get_weights(), restored.get_weights(), strict=True):
@@ -78,7 +79,7 @@ def test_atomic_save_never_exposes_a_partial_file(tmp_path):
         with open(path, "ab") as f:
             f.write(b"+rest")
 
-    kcb.atomic_save(target, save)
+    atomic_save(target, save)
     assert target.read_bytes() == b"new-but-incomplete+rest"
     assert os.listdir(tmp_path) == ["w.keras"]
 
@@ -184,7 +185,7 @@ def test_latest_checkpoint_ignores_temp_and_foreign_files(tmp_path):
         "ckpt-x.keras",
     ]:
         (tmp_path / name).write_bytes(b"x")
-    assert kcb.latest_checkpoint(tmp_path) == kcb.Checkpoint(
+    assert kcb.latest_checkpoint(tmp_path) == FoundCheckpoint(
         str(tmp_path / "ckpt-0010.weights.h5"), 10
     )
     assert kcb.latest_checkpoint(tmp_path, "ckpt-{epoch:04d}.keras").epoch == 2

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kmp.cluster.plan import state_root
+from kmp.cluster.blueprint import state_root
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "kmptest"

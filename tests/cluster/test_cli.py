@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kmp.cluster import blueprint as cp
 from kmp.cluster import ops
-from kmp.cluster import plan as cp
 from kmp.cluster import state as cs
 from kmp.commands import cluster as cli
 from tests.cluster._cluster_harness import (

@@ -24,10 +24,10 @@ def _restore_tf_keras_policy():
 @pytest.fixture
 def one_process(monkeypatch):
     """A process not started by a launcher: kmp.distributed is a world of one."""
-    from kmp import distributed
+    from kmp._launcher_env import LAUNCH_SIZE_VARS
     from kmp.distributed.world import _reset_for_tests
 
-    for var in distributed.LAUNCH_SIZE_VARS:
+    for var in LAUNCH_SIZE_VARS:
         monkeypatch.delenv(var, raising=False)
     _reset_for_tests()
     yield

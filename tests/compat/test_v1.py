@@ -7,8 +7,10 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.protobuf import rewriter_config_pb2
 
-from kmp import gpu
+from kmp._launcher_env import LOCAL_RANK_VARS
 from kmp.compat import v1 as kv1
+from kmp.compat.v1.optimizer import DistributedOptimizer
+from kmp.compat.v1.sessions import MIXED_PRECISION_REWRITES, build_session_config
 from tests._support import requires_horovod, run_workers
 
 v1 = tf.compat.v1
@@ -19,12 +21,12 @@ DEFAULT = rewriter_config_pb2.RewriterConfig.DEFAULT
 def build(**kwargs):
     kwargs.setdefault("n_gpus", 0)
     kwargs.setdefault("local_rank", None)
-    return kv1.build_session_config(**kwargs)
+    return build_session_config(**kwargs)
 
 
 @pytest.fixture
 def no_launcher(monkeypatch):
-    for var in gpu.LOCAL_RANK_VARS:
+    for var in LOCAL_RANK_VARS:
         monkeypatch.delenv(var, raising=False)
 
 
@@ -233,7 +235,7 @@ def _graph_step(make_opt, x_val, steps=1):
         for i in range(steps):
             xv = x_val(i) if callable(x_val) else x_val
             sess.run(train, {x: xv})
-            scale = opt.loss_scale if isinstance(opt, kv1.DistributedOptimizer) else None
+            scale = opt.loss_scale if isinstance(opt, DistributedOptimizer) else None
             records.append((int(sess.run(step)), None if scale is None else float(sess.run(scale))))
         return sess.run(w).ravel(), opt, records
 
@@ -251,7 +253,7 @@ def test_without_loss_scale_matches_the_plain_optimizer():
     assert not np.allclose(plain, 0.5)  # it trained
 
 
-@pytest.mark.parametrize("loss_scale", ["dynamic", 128.0])
+@pytest.mark.parametrize("loss_scale", ["force_dynamic", 128.0])
 def test_loss_scaling_gives_the_same_update(loss_scale):
     plain, _, _ = _graph_step(lambda: v1.train.GradientDescentOptimizer(0.1), X, steps=2)
     scaled, _, rec = _graph_step(
@@ -262,7 +264,7 @@ def test_loss_scaling_gives_the_same_update(loss_scale):
         steps=2,
     )
     np.testing.assert_allclose(scaled, plain, rtol=1e-6)
-    assert rec[-1][1] == (2.0**15 if loss_scale == "dynamic" else 128.0)
+    assert rec[-1][1] == (2.0**15 if loss_scale == "force_dynamic" else 128.0)
 
 
 def test_dynamic_scale_skips_non_finite_steps_and_grows():
@@ -274,7 +276,10 @@ def test_dynamic_scale_skips_non_finite_steps_and_grows():
 
     w, opt, rec = _graph_step(
         lambda: kv1.distributed_optimizer(
-            v1.train.AdamOptimizer(0.01), loss_scale="dynamic", initial_scale=8, growth_interval=2
+            v1.train.AdamOptimizer(0.01),
+            loss_scale="force_dynamic",
+            initial_scale=8,
+            growth_interval=2,
         ),
         x_at,
         steps=6,
@@ -289,7 +294,7 @@ def test_dynamic_scale_skips_non_finite_steps_and_grows():
 def test_dynamic_scale_never_drops_below_one():
     _, _, rec = _graph_step(
         lambda: kv1.distributed_optimizer(
-            v1.train.GradientDescentOptimizer(0.1), loss_scale="dynamic", initial_scale=2
+            v1.train.GradientDescentOptimizer(0.1), loss_scale="force_dynamic", initial_scale=2
         ),
         np.full((2, 4), np.nan, "float32"),
         steps=3,
@@ -327,7 +332,7 @@ def test_compression_names_and_horovod_classes():
         (hvd.Compression.none, None),
     ]:
         assert normalize_compression(given) == name
-        assert kv1.distributed_optimizer(gd, compression=given)._compression == name
+        assert kv1.distributed_optimizer(gd, compression=given).settings.compression == name
     with pytest.raises(TypeError, match="compression must be None, 'fp16' or 'bf16'"):
         kv1.distributed_optimizer(gd, compression=3)
 
@@ -352,11 +357,11 @@ def test_bad_optimizer_arguments():
     with pytest.raises(TypeError, match="loss_scale must be 'dynamic'"):
         kv1.distributed_optimizer(gd, loss_scale=True)
     with pytest.raises(ValueError, match="hysteresis"):
-        kv1.distributed_optimizer(gd, loss_scale="dynamic", hysteresis=0)
+        kv1.distributed_optimizer(gd, loss_scale="force_dynamic", hysteresis=0)
     with pytest.raises(ValueError, match="initial_scale"):
-        kv1.distributed_optimizer(gd, loss_scale="dynamic", initial_scale=0.5)
+        kv1.distributed_optimizer(gd, loss_scale="force_dynamic", initial_scale=0.5)
     with pytest.raises(ValueError, match="growth_interval"):
-        kv1.distributed_optimizer(gd, loss_scale="dynamic", growth_interval=0)
+        kv1.distributed_optimizer(gd, loss_scale="force_dynamic", growth_interval=0)
     with pytest.raises(ValueError, match="Unknown compression"):
         kv1.distributed_optimizer(gd, compression="zip")
     with pytest.raises(TypeError, match="scale_lr"):
@@ -386,7 +391,7 @@ def test_graph_rewrite_api_still_in_tf():
     assert callable(v1.mixed_precision.enable_mixed_precision_graph_rewrite)
     assert callable(v1.mixed_precision.MixedPrecisionLossScaleOptimizer)
     fields = {f.name for f in v1.ConfigProto().graph_options.rewrite_options.DESCRIPTOR.fields}
-    assert set(kv1.MIXED_PRECISION_REWRITES.values()) <= fields
+    assert set(MIXED_PRECISION_REWRITES.values()) <= fields
 
 
 # ------------------------------------------------------------------ real ranks
@@ -419,6 +424,8 @@ def test_tf1_script_keeps_ranks_identical():
 
 def test_force_dynamic_is_dynamic_in_a_graph():
     gd = v1.train.GradientDescentOptimizer(0.1)
-    assert kv1.distributed_optimizer(gd, loss_scale="force_dynamic").dynamic
-    assert kv1.distributed_optimizer(gd, loss_scale="dynamic").loss_scale_rule.kind == "dynamic"
+    assert kv1.distributed_optimizer(gd, loss_scale="dynamic").loss_scale_rule.kind == "none"
+    assert (
+        kv1.distributed_optimizer(gd, loss_scale="force_dynamic").loss_scale_rule.kind == "dynamic"
+    )
     assert not kv1.distributed_optimizer(gd).loss_scale_rule.scaling  # None: the default

@@ -57,11 +57,11 @@ def test_wrap_optimizer_checks_keeps_and_saves_bucket_bytes():
     with pytest.raises(ValueError, match="bucket_bytes"):
         kmp.wrap_optimizer(keras.optimizers.SGD(), bucket_bytes=0)
     opt = kmp.wrap_optimizer(keras.optimizers.SGD(), bucket_bytes=2**20)
-    assert opt.bucket_bytes == 2**20 and opt.settings()["bucket_bytes"] == 2**20
+    assert opt.settings.bucket_bytes == 2**20
     again = type(opt).from_config(opt.get_config())
-    assert again.bucket_bytes == 2**20
+    assert again.settings.bucket_bytes == 2**20
     one = kmp.wrap_optimizer(keras.optimizers.SGD(), bucket_bytes=None)
-    assert one.bucket_bytes is None
+    assert one.settings.bucket_bytes is None
     with pytest.raises(ValueError, match="bucket_bytes=None"):
         kmp.wrap_optimizer(opt, bucket_bytes=None)
     assert kmp.wrap_optimizer(opt, bucket_bytes=2**20) is opt
@@ -70,7 +70,7 @@ def test_wrap_optimizer_checks_keeps_and_saves_bucket_bytes():
 def test_default_is_the_documented_one():
     from kmp.distributed.buckets import DEFAULT_BUCKET_BYTES
 
-    assert kmp.wrap_optimizer(keras.optimizers.SGD()).bucket_bytes == DEFAULT_BUCKET_BYTES
+    assert kmp.wrap_optimizer(keras.optimizers.SGD()).settings.bucket_bytes == DEFAULT_BUCKET_BYTES
 
 
 def test_tf1_optimizer_checks_bucket_bytes_before_touching_the_optimizer():
@@ -81,7 +81,7 @@ def test_tf1_optimizer_checks_bucket_bytes_before_touching_the_optimizer():
         kmp.compat.v1.distributed_optimizer(base, bucket_bytes=0, scale_lr=True)
     assert base._learning_rate == 0.1
     opt = kmp.compat.v1.distributed_optimizer(base, bucket_bytes=64)
-    assert opt._bucket_bytes == 64
+    assert opt.settings.bucket_bytes == 64
 
 
 def test_buckets_that_cannot_overlap_are_explained():

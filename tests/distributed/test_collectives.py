@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 import kmp.distributed as dist
+from kmp._names import normalize_compression
+from kmp.distributed.buckets import payload_bytes
 from tests._support import requires_horovod, run_workers
 
 
@@ -29,26 +31,26 @@ def test_single_process_collectives_are_identities(fresh):
 @pytest.mark.parametrize("bad", ["zip", "fp8", "int8"])
 def test_unknown_compression_is_rejected(bad):
     with pytest.raises(ValueError, match=r"Unknown compression.*'fp16'"):
-        dist.normalize_compression(bad)
+        normalize_compression(bad)
     with pytest.raises(ValueError, match="Unknown compression"):
         dist.grouped_allreduce([np.ones(2)], compression=bad)
     with pytest.raises(ValueError, match="Unknown compression"):
-        dist.payload_bytes([np.ones(2)], compression=bad)
+        payload_bytes([np.ones(2)], compression=bad)
 
 
 @pytest.mark.parametrize("bad", [16, 1.5, ["fp16"]])
 def test_compression_of_the_wrong_type_is_a_type_error(bad):
     with pytest.raises(TypeError, match="compression must be None, 'fp16' or 'bf16'"):
-        dist.normalize_compression(bad)
+        normalize_compression(bad)
     with pytest.raises(TypeError, match="compression must be"):
         dist.allreduce(np.ones(2), compression=bad)
 
 
 def test_compression_aliases():
-    assert dist.normalize_compression("FP16") == "fp16"
-    assert dist.normalize_compression("bfloat16") == "bf16"
-    assert dist.normalize_compression("none") is None
-    assert dist.normalize_compression(None) is None
+    assert normalize_compression("FP16") == "fp16"
+    assert normalize_compression("bfloat16") == "bf16"
+    assert normalize_compression("none") is None
+    assert normalize_compression(None) is None
 
 
 def test_unknown_op_is_rejected():
@@ -79,9 +81,9 @@ def test_root_of_the_wrong_type_is_a_type_error(fresh, root):
 
 def test_payload_bytes_halves_with_compression():
     grads = [np.zeros((10, 4), "float32"), np.zeros((4,), "float32"), np.zeros((3,), "int32")]
-    assert dist.payload_bytes(grads) == 4 * (40 + 4 + 3)
-    assert dist.payload_bytes(grads, "fp16") == 2 * (40 + 4) + 4 * 3
-    assert dist.payload_bytes(grads, "bf16") == dist.payload_bytes(grads, "fp16")
+    assert payload_bytes(grads) == 4 * (40 + 4 + 3)
+    assert payload_bytes(grads, "fp16") == 2 * (40 + 4) + 4 * 3
+    assert payload_bytes(grads, "bf16") == payload_bytes(grads, "fp16")
 
 
 @pytest.mark.distributed

@@ -15,9 +15,9 @@ import pytest
 
 from kmp import _launcher_env as env
 from kmp.distributed.engines import choose_engine
-from kmp.launching.engines import jax_env, pick_port, port_is_free
+from kmp.launching.engine_env import jax_env, pick_port, port_is_free
 from kmp.launching.hosts import Host, LaunchError
-from kmp.launching.plan import build_command
+from kmp.launching.job import build_command
 from tests._support import ROOT, requires_horovod, run_workers
 
 WORKER = ROOT / "tests" / "distributed" / "worker_jax_engine.py"
@@ -169,7 +169,7 @@ def test_horovod_refuses_a_job_of_the_local_launcher(monkeypatch):
     monkeypatch.setenv("KMP_SIZE", "2")
     with pytest.raises(ValueError, match="kmp's local launcher"):
         kmp.distributed.init()
-    from kmp.launching.plan import forwarded_env
+    from kmp.launching.job import forwarded_env
 
     assert forwarded_env({"KMP_RANK": "1", "KMP_SIZE": "2", "KMP_X": "y"}) == {"KMP_X": "y"}
 

@@ -16,8 +16,10 @@ import pytest
 import tensorflow as tf
 
 import kmp.distributed as dist
+from kmp._names import SPARSE_GRADIENTS
 from kmp.compat import v1 as kv1
 from kmp.distributed import _horovod, sparse
+from kmp.distributed.buckets import payload_bytes
 from kmp.optimizer import DistributedLossScaleOptimizer, wrap_optimizer
 from tests._support import requires_horovod, run_workers
 
@@ -37,7 +39,7 @@ def slices(rows=(1, 4, 4, 7), seed=0) -> tf.IndexedSlices:
 
 def test_the_knob_is_checked_in_kmps_style():
     assert sparse.check_sparse_gradients(" GATHER ") == "gather"
-    assert dist.SPARSE_GRADIENTS == ("dense", "gather")
+    assert SPARSE_GRADIENTS == ("dense", "gather")
     with pytest.raises(TypeError, match="`sparse_gradients` must be one of 'dense', 'gather'"):
         wrap_optimizer(keras.optimizers.SGD(), sparse_gradients=True)
     with pytest.raises(ValueError, match=r"Pass 'dense' .* or 'gather'"):
@@ -47,25 +49,25 @@ def test_the_knob_is_checked_in_kmps_style():
             tf.compat.v1.train.GradientDescentOptimizer(0.1), sparse_gradients="allgather"
         )
     with pytest.raises(TypeError, match="sparse_gradients"):
-        dist.payload_bytes([], sparse_gradients=None)
+        payload_bytes([], sparse_gradients=None)
 
 
 def test_payload_bytes_of_a_sparse_gradient():
     g = slices()  # 4 rows of 3 float32 values, int64 indices; dense 12 x 3
-    assert dist.payload_bytes([g], sparse_gradients="dense") == 4 * VOCAB * DIM
-    assert dist.payload_bytes([g], sparse_gradients="gather") == 4 * 4 * DIM + 8 * 4
-    assert dist.payload_bytes([g], "fp16", "dense") == 2 * VOCAB * DIM
-    assert dist.payload_bytes([g], "bf16", "gather") == 2 * 4 * DIM + 8 * 4  # indices as they are
+    assert payload_bytes([g], sparse_gradients="dense") == 4 * VOCAB * DIM
+    assert payload_bytes([g], sparse_gradients="gather") == 4 * 4 * DIM + 8 * 4
+    assert payload_bytes([g], "fp16", "dense") == 2 * VOCAB * DIM
+    assert payload_bytes([g], "bf16", "gather") == 2 * 4 * DIM + 8 * 4  # indices as they are
     # While tracing, the rows are unknown: they count 0; the dense shape is still known.
     seen = {}
 
     @tf.function(input_signature=[tf.TensorSpec([None, DIM]), tf.TensorSpec([None], tf.int64)])
     def traced(values, indices):
         g = tf.IndexedSlices(values, indices, tf.constant([VOCAB, DIM], tf.int64))
-        seen["gather"] = dist.payload_bytes([g, None], sparse_gradients="gather")
-        seen["dense"] = dist.payload_bytes([g], sparse_gradients="dense")
+        seen["gather"] = payload_bytes([g, None], sparse_gradients="gather")
+        seen["dense"] = payload_bytes([g], sparse_gradients="dense")
         unknown = tf.IndexedSlices(values, indices, tf.shape(values, out_type=tf.int64))
-        seen["unknown_dense_shape"] = dist.payload_bytes([unknown], sparse_gradients="dense")
+        seen["unknown_dense_shape"] = payload_bytes([unknown], sparse_gradients="dense")
         return values
 
     traced.get_concrete_function()
@@ -203,17 +205,15 @@ def test_accumulated_sparse_gradients_equal_the_doubled_batch():
 
 def test_the_knob_is_saved_and_a_rewrap_may_not_change_it():
     opt = wrap_optimizer(keras.optimizers.SGD(), sparse_gradients="dense")
-    assert opt.settings()["sparse_gradients"] == "dense"
+    assert opt.settings.sparse_gradients == "dense"
     assert wrap_optimizer(opt, sparse_gradients="DENSE") is opt
     with pytest.raises(ValueError, match="sparse_gradients='gather' \\(it has 'dense'\\)"):
         wrap_optimizer(opt, sparse_gradients="gather")
     config = opt.get_config()
-    assert config["sparse_gradients"] == "dense"
-    assert DistributedLossScaleOptimizer.from_config(config).sparse_gradients == "dense"
-    del config["sparse_gradients"]  # a config saved before the knob existed
-    old = DistributedLossScaleOptimizer.from_config(config)
-    assert old.sparse_gradients == sparse.DEFAULT_SPARSE_GRADIENTS
-    assert wrap_optimizer(keras.optimizers.SGD()).sparse_gradients == "gather"
+    assert config["settings"]["sparse_gradients"] == "dense"
+    again = DistributedLossScaleOptimizer.from_config(config)
+    assert again.settings.sparse_gradients == "dense"
+    assert wrap_optimizer(keras.optimizers.SGD()).settings.sparse_gradients == "gather"
 
 
 class FakeHorovodKeras:

@@ -10,10 +10,8 @@ import sys
 import pytest
 
 import kmp
-import kmp._launcher_env as launcher_env
-import kmp._names as names
 import kmp.distributed as dist
-from kmp.distributed import _horovod, _jax, engines
+from kmp.distributed import _horovod, _jax, collectives, engines
 from kmp.distributed.world import _configure_local_gpu
 from tests._support import ROOT, patch_tf_gpus
 
@@ -49,17 +47,6 @@ def test_accessors_do_not_initialise(fresh):
     assert not dist.is_initialized()
     assert dist.engine() is engines.SINGLE_PROCESS  # a world of one needs none
     assert not dist.is_initialized()
-
-
-def test_launcher_env_and_names_are_re_exported():
-    # The launcher variables are read by kmp._launcher_env (see test_launcher_env.py), the
-    # vocabularies live in kmp._names; kmp.distributed keeps offering them under the old names.
-    assert dist.LAUNCH_SIZE_VARS is launcher_env.LAUNCH_SIZE_VARS
-    assert dist.launched_world_size is launcher_env.launched_world_size
-    assert dist.COMPRESSIONS is names.COMPRESSIONS
-    assert dist.REDUCE_OPS is names.REDUCE_OPS
-    assert dist.normalize_compression is names.normalize_compression
-    assert dist.launched_world_size({"HOROVOD_SIZE": "4"}) == 4
 
 
 def test_public_names_resolve_from_the_package():
@@ -289,8 +276,8 @@ def test_a_launched_rank_that_is_not_announced_is_not_guessed(fresh, monkeypatch
         lambda: dist.broadcast_object(1),
         lambda: dist.broadcast_variables([]),
         dist.alone,
-        dist.gradients_need_allreduce,
-        lambda: dist.check_averaging_runtime(4),
+        collectives.gradients_need_allreduce,
+        lambda: collectives.check_averaging_runtime(4),
         dist.restart,
         dist.engine,
     ],

@@ -8,6 +8,7 @@ import numpy as np
 from _common import write_result
 
 import kmp.distributed as dist
+from kmp.distributed.buckets import payload_bytes
 
 
 def before_init() -> dict:
@@ -94,8 +95,8 @@ def main() -> None:
     except ValueError as exc:
         out["bad_root"] = str(exc)
     dist.barrier()
-    out["payload_fp32"] = dist.payload_bytes([y, x])
-    out["payload_fp16"] = dist.payload_bytes([y, x], compression="fp16")
+    out["payload_fp32"] = payload_bytes([y, x])
+    out["payload_fp16"] = payload_bytes([y, x], compression="fp16")
     write_result(r, out)
 
 

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _common import write_result
 
 import kmp
+from kmp.distributed.collectives import check_averaging_runtime
 
 # The script's own start, before any kmp call (importing Keras and kmp starts nothing).
 jax.distributed.initialize(
@@ -64,12 +65,12 @@ with d.alone():  # outside kmp's distribution: this process's own seed
 # silently skipped, and init() sets the distribution again.
 keras.backend.clear_session()
 try:
-    d.check_averaging_runtime(world.size)
+    check_averaging_runtime(world.size)
     out["after_clear_session"] = ""
 except RuntimeError as exc:
     out["after_clear_session"] = str(exc)
 d.init()
-d.check_averaging_runtime(world.size)  # raises if init() did not set it again
+check_averaging_runtime(world.size)  # raises if init() did not set it again
 out["distribution_after_init"] = type(keras.distribution.distribution()).__name__
 write_result(world.rank, out)
 d.barrier()

@@ -209,7 +209,7 @@ def v1() -> dict:
             h = tf.reduce_mean(tf.gather(emb, ids), axis=1) + poison
             loss = tf.reduce_mean(tf.square(tf.matmul(h, w) - 1.0))
             opt = kv1.distributed_optimizer(
-                c.train.AdamOptimizer(0.05), loss_scale="dynamic", sparse_gradients=strategy
+                c.train.AdamOptimizer(0.05), loss_scale="force_dynamic", sparse_gradients=strategy
             )
             pairs = opt.compute_gradients(loss)
             kinds = [type(gr).__name__ for gr, _ in pairs]

@@ -4,7 +4,7 @@ Two phases in one job, each a fresh graph and a ``tf.compat.v1.Session`` from km
 
 * ``float32``: a tf.data pipeline, ``GradientDescentOptimizer`` wrapped by
   ``distributed_optimizer(scale_lr=True)``.
-* ``dynamic``: placeholders, ``AdamOptimizer`` with ``loss_scale="dynamic"``, fp16 gradient
+* ``dynamic``: placeholders, ``AdamOptimizer`` with ``loss_scale="force_dynamic"``, fp16 gradient
   compression and, when TensorFlow runs with oneDNN, Grappler's bfloat16 rewrite
   (``session_config(mixed_precision="bfloat16")``). Rank 1 alone feeds an inf at step 2:
   both ranks must skip that step together and halve the scale.
@@ -87,7 +87,7 @@ def phase_dynamic(tf, rank: int) -> dict:
         step = v1.train.get_or_create_global_step()
         opt = kv1.distributed_optimizer(
             v1.train.AdamOptimizer(0.01),
-            loss_scale="dynamic",
+            loss_scale="force_dynamic",
             initial_scale=2.0**10,
             growth_interval=3,
             compression="fp16",

@@ -8,7 +8,9 @@ import pytest
 import tensorflow as tf
 
 import kmp
-from kmp.elastic import CommitCallback, KerasState, fit, is_horovod_failure, run
+from kmp.elastic import CommitCallback, KerasState, fit, run
+from kmp.elastic.data import epoch_order
+from kmp.elastic.run import is_horovod_failure
 
 
 @pytest.mark.parametrize(
@@ -150,7 +152,7 @@ def test_fit_resumes_at_the_committed_position():
     data = kmp.elastic.ElasticData(x, x[:, 0], batch_size=8)
     state.epoch, state.samples_done = 1, 24
     fit(state, data, epochs=2, record_examples=True, verbose=0)
-    order = kmp.elastic.epoch_order(40, seed=0, epoch=1)
+    order = epoch_order(40, seed=0, epoch=1)
     assert sorted(state.examples[1]) == sorted(int(i) for i in order[24:])
     assert int(state.model.optimizer.iterations.numpy()) == 2  # 16 examples left: 2 steps
 

@@ -31,7 +31,7 @@ def test_restore_rolls_back_weights_optimizer_and_counters():
     model.fit(x, y, epochs=1, verbose=0)
     opt = model.optimizer
     opt.skipped_steps_counter.assign(5)
-    opt.loss_scale_variable.assign(2.0)
+    opt.dynamic_scale.assign(2.0)
     state.epoch, state.samples_done = 3, 96
     state.best.append(2.0)
     state.restore()

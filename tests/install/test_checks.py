@@ -1,4 +1,4 @@
-from kmp.install import doctor
+from kmp.install import stack_report
 from kmp.install.checks import diagnose
 
 H200 = {"name": "NVIDIA H200", "compute_capability": "9.0", "memory_mib": 143771}
@@ -83,11 +83,11 @@ def test_no_horovod():
 
 
 def test_the_report_prints_each_warning_with_its_fix():
-    info = doctor.collect()
+    info = stack_report.collect()
     assert info["warnings"] == []  # this machine: CPU TensorFlow, Horovod built for it
     described = {**info, **facts(8), "hardware": {**info["hardware"], "gpus": [H200] * 8}}
     described["warnings"] = [f.to_dict() for f in diagnose(described)]
-    text = doctor.format_report(described)
+    text = stack_report.format_report(described)
     assert "warnings            2" in text
     assert "WARNING: 8 NVIDIA GPU(s), but tensorflow-cpu 2.21.0 is CPU-only" in text
     assert "fix: kmp install-horovod --gpu nccl --force" in text

@@ -13,7 +13,7 @@ import pytest
 
 from kmp.commands import launch
 from kmp.launching import discover
-from kmp.launching import plan as lp
+from kmp.launching import job as lp
 from kmp.launching.elastic import ElasticOptions, check_discovery, elastic_args
 from kmp.launching.hosts import Host, LaunchError, parse_discovery_output
 from tests._support import ROOT, requires_horovod

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from kmp.commands import launch
-from kmp.launching import plan as lp
+from kmp.launching import job as lp
 from kmp.launching.hosts import Host, LaunchError, parse_hostfile, parse_hosts
-from kmp.launching.plan import build_command
+from kmp.launching.job import build_command
 from tests._support import ROOT, requires_horovod
 
 # How kmp launch starts Horovod's launcher here (kmp.launching.horovodrun: no start-up probe).

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kmp.commands import launch
-from kmp.launching import plan as lp
+from kmp.launching import job as lp
 from kmp.launching import preflight as pf
 from kmp.launching.hosts import LaunchError, parse_hosts
 

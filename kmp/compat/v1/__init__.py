@@ -29,29 +29,13 @@ exists but is deprecated; it wraps the optimizer in TensorFlow's own
 ``MixedPrecisionLossScaleOptimizer``, which kmp replaces with ``loss_scale=`` here
 so that the Horovod allreduce and the loss-scale check run in one fixed order.
 
-The helpers live in two modules, re-exported here: :mod:`kmp.compat.v1.sessions`
-(``ConfigProto`` and sessions) and :mod:`kmp.compat.v1.optimizer` (the
-distributed optimizer and the broadcast op).
+The helpers live in two modules, and what a script calls is re-exported here:
+:mod:`kmp.compat.v1.sessions` (``ConfigProto`` and sessions; ``build_session_config``,
+the pure part of ``session_config``) and :mod:`kmp.compat.v1.optimizer` (the
+distributed optimizer, its class ``DistributedOptimizer``, and the broadcast op).
 """
 
-from kmp.compat.v1.optimizer import (
-    DistributedOptimizer,
-    broadcast_global_variables,
-    distributed_optimizer,
-)
-from kmp.compat.v1.sessions import (
-    MIXED_PRECISION_REWRITES,
-    build_session_config,
-    session,
-    session_config,
-)
+from kmp.compat.v1.optimizer import broadcast_global_variables, distributed_optimizer
+from kmp.compat.v1.sessions import session, session_config
 
-__all__ = [
-    "MIXED_PRECISION_REWRITES",
-    "DistributedOptimizer",
-    "broadcast_global_variables",
-    "build_session_config",
-    "distributed_optimizer",
-    "session",
-    "session_config",
-]
+__all__ = ["broadcast_global_variables", "distributed_optimizer", "session", "session_config"]

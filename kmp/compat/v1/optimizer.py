@@ -10,20 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import keras
 import tensorflow as tf
 
-from kmp import _checks
 from kmp import loss_scale as _ls
 from kmp._names import normalize_compression
 from kmp.distributed import sparse
-from kmp.distributed.buckets import check_bucket_bytes
 from kmp.learning_rate import scaled_learning_rate
-from kmp.optimizer_settings import DEFAULTS, OptimizerSettings
+from kmp.optimizer_settings import OptimizerSettings
 
 __all__ = ["DistributedOptimizer", "broadcast_global_variables", "distributed_optimizer"]
 
 _v1 = tf.compat.v1
-NOT_GIVEN = _checks.NOT_GIVEN
 
 
 # ------------------------------------------------------------------ optimizer
@@ -57,30 +55,25 @@ class DistributedOptimizer(_v1.train.Optimizer):
 
     Args:
         optimizer: The wrapped ``tf.compat.v1.train`` optimizer.
+        settings: The :class:`kmp.OptimizerSettings` (``compression``, ``bucket_bytes``
+            and ``sparse_gradients`` act here), kept as :attr:`settings`.
         rule: The :class:`kmp.loss_scale.LossScale` to follow.
-        compression: None, ``"fp16"`` or ``"bf16"``.
-        bucket_bytes: Bytes per allreduce bucket; None: one grouped allreduce.
-        sparse_gradients: ``"dense"`` or ``"gather"`` (:mod:`kmp.distributed.sparse`).
         name: Name of the wrapper.
     """
 
     def __init__(
         self,
         optimizer: Any,
+        settings: OptimizerSettings,
         rule: _ls.LossScale,
         *,
-        compression: str | None,
-        bucket_bytes: int | None = DEFAULTS["bucket_bytes"],
-        sparse_gradients: str = DEFAULTS["sparse_gradients"],
         name: str | None = None,
     ) -> None:
         super().__init__(
             use_locking=optimizer._use_locking, name=name or f"Distributed{optimizer.get_name()}"
         )
         self._optimizer = optimizer
-        self._compression = compression
-        self._bucket_bytes = check_bucket_bytes(bucket_bytes)
-        self._sparse_gradients = sparse.check_sparse_gradients(sparse_gradients)
+        self.settings = settings
         self._rule = rule
         self._state_vars: dict[Any, _ls.ScaleState] = {}  # graph -> the rule's variables
         self._track_trackable(optimizer, "base_optimizer")
@@ -149,6 +142,7 @@ class DistributedOptimizer(_v1.train.Optimizer):
             A list of ``(gradient, variable)`` pairs, identical on every rank.
         """
         from kmp import distributed
+        from kmp.distributed.collectives import gradients_need_allreduce
 
         scaling = self._rule.scaling
         scale = self._current_scale() if scaling else None
@@ -165,14 +159,14 @@ class DistributedOptimizer(_v1.train.Optimizer):
         grads_and_vars = self._optimizer.compute_gradients(loss, var_list=var_list, **kwargs)
         grads = [g for g, _ in grads_and_vars]
         variables = [v for _, v in grads_and_vars]
-        if self._sparse_gradients == "dense" and distributed.gradients_need_allreduce():
+        if self.settings.sparse_gradients == "dense" and gradients_need_allreduce():
             grads = sparse.densify_like(grads, variables)
         averaged = distributed.grouped_allreduce(
             grads,
             op="average",
-            compression=self._compression,
-            bucket_bytes=self._bucket_bytes,
-            sparse_gradients=self._sparse_gradients,
+            compression=self.settings.compression,
+            bucket_bytes=self.settings.bucket_bytes,
+            sparse_gradients=self.settings.sparse_gradients,
         )
         if scaling:
             inverse = 1.0 / scale
@@ -286,21 +280,10 @@ def _scale_learning_rate(opt: Any, factor: int) -> None:
 
 def distributed_optimizer(
     tf1_optimizer: Any,
-    *,
     settings: OptimizerSettings | None = None,
-    loss_scale: str | float | _ls.LossScale | None = NOT_GIVEN,
-    compression: Any = NOT_GIVEN,
-    scale_lr: bool = NOT_GIVEN,
-    initial_scale: float = NOT_GIVEN,
-    growth_interval: int = NOT_GIVEN,
-    growth_factor: float = NOT_GIVEN,
-    backoff_factor: float = NOT_GIVEN,
-    min_scale: float = NOT_GIVEN,
-    max_scale: float = NOT_GIVEN,
-    hysteresis: int = NOT_GIVEN,
-    bucket_bytes: int | None = NOT_GIVEN,
-    sparse_gradients: str = NOT_GIVEN,
+    *,
     name: str | None = None,
+    **overrides: Any,
 ) -> DistributedOptimizer:
     """Wrap a ``tf.compat.v1.train`` optimizer with Horovod averaging and loss scaling.
 
@@ -308,43 +291,26 @@ def distributed_optimizer(
     ``MixedPrecisionLossScaleOptimizer``) in TF1 graph code. Gradients are
     averaged over all ranks (in buckets of ``bucket_bytes``) *before* they are
     unscaled and checked for inf/NaN, so every rank applies or skips a step
-    together. In a single process the allreduce is skipped. The settings, their
-    defaults and checks are :class:`kmp.OptimizerSettings`'s, as for
-    :func:`kmp.wrap_optimizer`; ``settings=`` and keyword arguments combine by its
-    rule. ``backward_passes_per_step``, ``master_weights`` and ``rounding_seed`` (in a
-    ``settings``) can only be their defaults here.
+    together. In a single process the allreduce is skipped. The settings are one
+    :class:`kmp.OptimizerSettings`, with keyword arguments overriding its fields, as for
+    :func:`kmp.wrap_optimizer`::
+
+        kmp.enable("mixed_float16")         # the graph computes in float16: dynamic scaling
+        opt = kmp.compat.v1.distributed_optimizer(tf.compat.v1.train.AdamOptimizer(1e-3))
 
     Args:
         tf1_optimizer: A ``tf.compat.v1.train.Optimizer``, e.g. ``AdamOptimizer(1e-3)``.
-        settings: An :class:`kmp.OptimizerSettings` holding any of the fields here.
-        loss_scale: Not given (the default, ``"dynamic"``, read for a graph that
-            computes in float32 or bfloat16, as a TF1 graph has no Keras policy to say
-            otherwise): no loss scaling. ``"dynamic"`` or ``"force_dynamic"`` given
-            (the same here: asking is saying the graph computes in float16): dynamic
-            scaling. A positive number: a fixed scale (non-finite steps are still
-            skipped). None: no loss scaling. Or a :class:`kmp.loss_scale.LossScale`.
-        compression: None, ``"fp16"``/``"bf16"``, or Horovod's
-            ``hvd.Compression.none``/``hvd.Compression.fp16``: the dtype the
-            gradients travel in.
-        scale_lr: Multiply the wrapped optimizer's learning rate by the number
-            of ranks (in place), as Horovod's examples do by hand.
-        initial_scale: The first dynamic loss scale (default ``2**15``).
-        growth_interval: Finite steps in a row before the scale grows (default 2000).
-        growth_factor: What the scale is multiplied by when it grows (default 2.0).
-        backoff_factor: What it is multiplied by on an overflow (default 0.5).
-        min_scale: The lowest scale (default 1.0).
-        max_scale: The highest scale (default ``2**24``).
-        hysteresis: Overflowing steps in a row skipped before the scale backs off
-            (default 1).
-        bucket_bytes: Reduce the gradients in buckets of about this many bytes, last
-            variable first, so that they travel while the rest are computed (default
-            :data:`kmp.distributed.buckets.DEFAULT_BUCKET_BYTES`); None: one grouped
-            allreduce.
-        sparse_gradients: How sparse gradients (``tf.IndexedSlices``, from
-            ``tf.gather`` on a variable) travel: ``"gather"`` (default) allgathers
-            their rows and indices, ``"dense"`` scatters them into their variable's
-            shape and allreduces them; as in :func:`kmp.wrap_optimizer`.
+        settings: A :class:`kmp.OptimizerSettings`; None: the defaults. On this path
+            ``loss_scale="dynamic"`` (the default) follows the global dtype policy as
+            everywhere (a TF1 graph has no layers to say it computes in float16: call
+            ``kmp.enable("mixed_float16")``, or pass ``loss_scale="force_dynamic"``);
+            ``compression`` may also be Horovod's ``hvd.Compression.none`` /
+            ``.fp16``; ``scale_lr`` scales the wrapped optimizer's rate in place;
+            ``backward_passes_per_step``, ``master_weights`` and ``rounding_seed`` can
+            only be their defaults.
         name: Name of the wrapper (default ``"Distributed" + optimizer name``).
+        **overrides: Fields of :class:`kmp.OptimizerSettings` that replace those of
+            ``settings``.
 
     Returns:
         A :class:`DistributedOptimizer`; use ``minimize`` or
@@ -352,34 +318,25 @@ def distributed_optimizer(
 
     Raises:
         TypeError: ``tf1_optimizer`` is not a ``tf.compat.v1.train`` optimizer,
-            ``settings`` is not an ``OptimizerSettings``, or an argument has the wrong type.
-        ValueError: An already wrapped optimizer, a bad ``loss_scale``, knob,
-            ``compression`` or ``sparse_gradients``, a field given in ``settings`` and as
-            a keyword differently, or one this path can only have at its default.
+            ``settings`` is not an ``OptimizerSettings``, an override is not a setting,
+            or a value has the wrong type.
+        ValueError: An already wrapped optimizer, a bad value, or one this path can only
+            have at its default.
     """
-    chosen = OptimizerSettings.combine(settings, locals())  # the fields among the arguments
+    chosen, _ = OptimizerSettings.from_arguments(settings, overrides)
     chosen.refuse(
         ("backward_passes_per_step", "master_weights", "rounding_seed"),
         path="kmp.compat.v1.distributed_optimizer",
         instead="Accumulation and master-weight modes are kmp.wrap_optimizer's (Keras 3).",
     )
     _check_tf1_optimizer(tf1_optimizer)
-    # A given "dynamic" says the graph computes in float16; the default assumes it does not.
-    compute = "float16" if _checks.given(chosen.loss_scale) else "float32"
-    rule = chosen.loss_scale_rule(compute)
-    full = chosen.resolved()
-    if full["scale_lr"]:
+    normalize_compression(chosen.compression)  # names only: a custom compressor is refused
+    rule = chosen.loss_scale_rule(keras.config.dtype_policy().compute_dtype)
+    if chosen.scale_lr:
         from kmp import distributed
 
         _scale_learning_rate(tf1_optimizer, distributed.size())
-    return DistributedOptimizer(
-        tf1_optimizer,
-        rule,
-        compression=normalize_compression(full["compression"]),
-        bucket_bytes=full["bucket_bytes"],
-        sparse_gradients=full["sparse_gradients"],
-        name=name,
-    )
+    return DistributedOptimizer(tf1_optimizer, chosen, rule, name=name)
 
 
 def broadcast_global_variables(root: int = 0) -> Any:

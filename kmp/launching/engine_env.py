@@ -1,4 +1,4 @@
-"""``kmp launch --engine jax``: the processes of a JAX job, started through horovodrun.
+"""``kmp launch --engine``: the variables each engine's processes get, and a JAX job's start.
 
 The JAX engine (:mod:`kmp.distributed._jax`) needs three things in every
 process: ``KERAS_BACKEND=jax``, the coordinator's ``host:port`` (process 0

@@ -23,7 +23,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from kmp.float32_layers import walk_layers
+from kmp.layer_walk import walk
 
 __all__ = ["Pass", "float32_pass", "probed_layers"]
 
@@ -54,12 +54,13 @@ class Pass:
 
 
 def probed_layers(model: keras.Model) -> list[tuple[keras.layers.Layer, str]]:
-    """Every layer below ``model`` (nested models and sublayers) once, with its name.
+    """Every layer below ``model`` (nested models and sublayers) once, with its path.
 
-    The walk and the names are :func:`kmp.float32_layers.walk_layers`'s, so a name the
-    probe reports is one ``kmp.keep_float32`` selects.
+    The walk and the paths are :func:`kmp.layer_walk.walk`'s (``InputLayer`` objects
+    left out), so a name the probe reports is one ``kmp.keep_float32`` selects and
+    ``kmp.audit`` shows.
     """
-    return [(layer, shown) for layer, _, shown in walk_layers(model)]
+    return [(v.layer, v.path) for v in walk(model, inputs=False)]
 
 
 class _Recorder:

@@ -1,27 +1,25 @@
-"""Walking a Keras model and reading each layer's facts, never failing on a layer.
+"""Each visited layer's facts and table row, read without ever failing on a layer.
 
-The walk visits every layer once: a nested model's layers (its own row is left out), and
-the sublayers of any layer (``_flatten_layers``), so a KerasHub backbone's attention and
-norms inside each transformer block are seen. Whatever cannot be read is ``"?"`` or a
-``problem``, for the rules to report as unknown.
+The layers come from :func:`kmp.layer_walk.walk` (a nested model's own visit is left out:
+its layers have their rows). Whatever cannot be read is ``"?"`` or a ``problem``, for the
+rules to report as unknown.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import keras
 
 from kmp._names import LOW_FLOATS
-from kmp.auditing.probe import Prober
+from kmp.auditing.measured import MeasuredChecks
 from kmp.auditing.report import UNKNOWN, LayerFacts, LayerRow
 from kmp.float32_layers import KEPT_MARK
+from kmp.layer_walk import Visit
 from kmp.layers import Float32Output, activation_name
 
-__all__ = ["Visit", "layer_facts", "layer_row", "model_output_layers", "walk"]
+__all__ = ["consumer_map", "layer_facts", "layer_row", "model_output_layers"]
 
 _ATTENTION_CLASSES: tuple[type, ...] = tuple(
     c
@@ -33,55 +31,6 @@ _ATTENTION_CLASSES: tuple[type, ...] = tuple(
     )
     if c is not None
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Visit:
-    """A layer met by the walk: where it is and what surrounds it."""
-
-    path: str
-    layer: keras.layers.Layer
-    siblings: tuple[keras.layers.Layer, ...]
-    parents: tuple[keras.layers.Layer, ...]  # enclosing layers that are not models
-
-
-def _children(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
-    found: list[keras.layers.Layer] = []
-    if isinstance(layer, keras.Model):
-        with contextlib.suppress(Exception):  # else the tracked sublayers below
-            found.extend(layer.layers)
-    try:
-        tracked = list(layer._flatten_layers(include_self=False, recursive=False))
-    except Exception:
-        tracked = []
-    ids = {id(x) for x in found}
-    found.extend(
-        x for x in tracked if id(x) not in ids and not isinstance(x, keras.layers.InputLayer)
-    )
-    return found
-
-
-def walk(model: keras.Model) -> Iterator[Visit]:
-    """Yield every layer of ``model`` once, depth first, with its path."""
-    seen: set[int] = {id(model)}
-
-    def visit(container: Any, prefix: str, parents: tuple) -> Iterator[Visit]:
-        children = _children(container)
-        siblings = tuple(children)
-        for layer in children:
-            if id(layer) in seen:
-                continue
-            seen.add(id(layer))
-            path = f"{prefix}{getattr(layer, 'name', UNKNOWN)}"
-            subs = _children(layer)
-            if isinstance(layer, keras.Model) and subs:
-                yield from visit(layer, f"{path}/", parents)
-                continue
-            yield Visit(path, layer, siblings, parents)
-            if subs:
-                yield from visit(layer, f"{path}/", (*parents, layer))
-
-    yield from visit(model, "", ())
 
 
 def _safe(read: Any, default: Any = UNKNOWN) -> Any:
@@ -178,9 +127,9 @@ def consumer_map(visits: list[Visit]) -> dict[int, list]:
 
 
 def layer_facts(
-    v: Visit, consumers: dict[int, list], output_ids: set[int], prober: Prober
+    v: Visit, consumers: dict[int, list], output_ids: set[int], checks: MeasuredChecks
 ) -> LayerFacts:
-    """Everything the rules need about one visited layer, probes included."""
+    """Everything the rules need about one visited layer, measured checks included."""
     layer = v.layer
     compute = _compute(layer)
     try:
@@ -216,11 +165,11 @@ def layer_facts(
     )
     inside_attention = any("attention" in _kinds(p, None) for p in v.parents)
     if compute in LOW_FLOATS and "norm" in kinds:
-        facts = dataclasses.replace(facts, norm_probe=prober.norm(layer))
+        facts = dataclasses.replace(facts, norm_check=checks.norm(layer))
     is_softmax_layer = isinstance(layer, keras.layers.Softmax) and not facts.makes_output
     low = compute in LOW_FLOATS or any(s in LOW_FLOATS for s in softmaxes)
     if low and not inside_attention and ("attention" in kinds or is_softmax_layer):
-        facts = dataclasses.replace(facts, mask_probe=prober.attention_mask(layer))
+        facts = dataclasses.replace(facts, mask_check=checks.attention_mask(layer))
     if inside_attention and "softmax" in kinds:  # reported once, on the attention layer
         facts = dataclasses.replace(facts, kinds=kinds - {"softmax"})
     return facts

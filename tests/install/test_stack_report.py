@@ -2,7 +2,7 @@ import json
 import subprocess
 import sys
 
-from kmp.install import doctor
+from kmp.install import stack_report
 
 KEYS = {
     "kmp",
@@ -61,10 +61,10 @@ def test_doctor_text():
 def test_doctor_without_horovod_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod", None)
     monkeypatch.setitem(sys.modules, "horovod.tensorflow", None)
-    facts = doctor._horovod_facts()
+    facts = stack_report._horovod_facts()
     assert facts["tensorflow_ops"] is False
     assert "kmp install-horovod" in facts["install"]
-    text = doctor.format_report({**doctor.collect(), "horovod": facts})
+    text = stack_report.format_report({**stack_report.collect(), "horovod": facts})
     assert "NOT usable" in text and "install:" in text
 
 

@@ -1,20 +1,20 @@
 """The audit's measured checks: run a clone of a layer in 16 bits and in float32.
 
 A rule that lists classes is wrong as soon as a class upcasts internally (KerasHub's
-RMSNormalization does) or a custom one does not. These probes measure instead:
+RMSNormalization does) or a custom one does not. These checks measure instead:
 
-- :meth:`Prober.norm`: a clone of a normalisation layer, with the same config, dtype
+- :meth:`MeasuredChecks.norm`: a clone of a normalisation layer, with the same config, dtype
   policy and weights, runs on a tiny input whose float16 statistics overflow
   (``x ~ 300``, so ``x**2 > 65504``) and lose precision (a large mean, a small variance),
   and is compared with the same clone under float32.
-- :meth:`Prober.attention_mask`: a clone of a MultiHeadAttention (subclasses included)
+- :meth:`MeasuredChecks.attention_mask`: a clone of a MultiHeadAttention (subclasses included)
   runs with a mask; changing the masked keys and values must not change the output, and
-  the output must be finite. Other attention layers get their Softmax sublayers probed.
+  the output must be finite. Other attention layers get their Softmax sublayers measured.
 
 The model and the global dtype policy are left as they were: clones are built under a
 policy set for the moment and restored in ``finally``; a norm without a usable config
 runs in place (inference mode), under float32 for the reference, its policy restored.
-Results are cached per class, config and policy in the :class:`Prober`, which lives for
+Results are cached per class, config and policy in the :class:`MeasuredChecks`, which live for
 one audit.
 """
 
@@ -32,9 +32,9 @@ import numpy as np
 
 from kmp.auditing.report import Measurement
 
-__all__ = ["Prober"]
+__all__ = ["MeasuredChecks"]
 
-_MAX_PROBE_ELEMENTS = 200_000
+_MAX_INPUT_ELEMENTS = 200_000
 _EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7}
 _TOLERANCE_ULPS = 4  # a norm that upcasts is off by its output rounding, a few ulps
 
@@ -75,7 +75,7 @@ def _axes(layer: keras.layers.Layer, rank: int) -> set[int]:
         return {rank - 1}
 
 
-def _probe_shape(layer: keras.layers.Layer) -> tuple[int, ...] | None:
+def _input_shape(layer: keras.layers.Layer) -> tuple[int, ...] | None:
     """A small input shape the layer accepts: its feature axes kept, the others shrunk."""
     shape = None
     with contextlib.suppress(Exception):
@@ -103,7 +103,7 @@ def _probe_shape(layer: keras.layers.Layer) -> tuple[int, ...] | None:
             small.append(int(size))
         else:
             small.append(min(int(size or 3), 3))
-    return tuple(small) if math.prod(small) <= _MAX_PROBE_ELEMENTS else None
+    return tuple(small) if math.prod(small) <= _MAX_INPUT_ELEMENTS else None
 
 
 def _norm_input(shape: tuple[int, ...]) -> np.ndarray:
@@ -159,7 +159,7 @@ def _compare(y_low: np.ndarray, y_ref: np.ndarray, dtype: str, where: str) -> Me
     )
 
 
-class Prober:
+class MeasuredChecks:
     """Runs the measured checks for one audit; caches results per class, config and policy."""
 
     def __init__(self) -> None:
@@ -180,11 +180,11 @@ class Prober:
 
         Returns:
             ``ok`` when the 16-bit output is within a few output ulps of float32's,
-            ``bad`` (with the error) otherwise, ``unknown`` when it cannot be probed.
+            ``bad`` (with the error) otherwise, ``unknown`` when it cannot be measured.
         """
-        shape = _probe_shape(layer)
+        shape = _input_shape(layer)
         if shape is None:
-            return Measurement("unknown", "the probe does not know an input shape for it")
+            return Measurement("unknown", "the check does not know an input shape for it")
         key = ("norm", type(layer), _config_key(layer), layer.dtype_policy.name, shape)
         return self._cached(key, lambda: self._measure_norm(layer, shape))
 
@@ -204,7 +204,7 @@ class Prober:
             y_low = _numpy(_call(low, keras.ops.cast(x, dtype)))
             y_ref = _numpy(_call(ref, keras.ops.convert_to_tensor(x)))
         except Exception as exc:
-            return _failure("the normalisation probe", exc)
+            return _failure("the normalisation check", exc)
         return _compare(y_low, y_ref, dtype, f"on inputs 300 +- 8 of shape {shape}")
 
     def _measure_norm_in_place(self, layer: keras.layers.Layer, x: np.ndarray) -> Measurement:
@@ -218,7 +218,7 @@ class Prober:
             finally:
                 layer.dtype_policy = policy
         except Exception as exc:
-            return _failure("the normalisation probe (run in place, no config to clone)", exc)
+            return _failure("the normalisation check (run in place, no config to clone)", exc)
         where = f"on inputs 300 +- 8 of shape {x.shape} (the layer itself, no config to clone)"
         return _compare(y_low, y_ref, dtype, where)
 
@@ -227,11 +227,11 @@ class Prober:
 
         Args:
             layer: A MultiHeadAttention (or subclass), a Softmax, or another attention
-                layer whose Softmax sublayers are probed.
+                layer whose Softmax sublayers are measured.
 
         Returns:
             ``ok`` when masked positions get no weight and the output is finite, ``bad``
-            otherwise, ``unknown`` when the layer cannot be called by the probe.
+            otherwise, ``unknown`` when the check cannot call the layer.
         """
         key = ("mask", type(layer), _config_key(layer), layer.dtype_policy.name)
         if isinstance(layer, keras.layers.MultiHeadAttention):
@@ -242,8 +242,8 @@ class Prober:
         if not softmaxes:
             return Measurement(
                 "unknown",
-                f"not measured: the probe cannot call a {type(layer).__name__} and it has no "
-                "Softmax sublayer to probe",
+                f"not measured: the check cannot call a {type(layer).__name__} and it has no "
+                "Softmax sublayer to measure",
             )
         results = [self.attention_mask(s) for s in softmaxes]
         bad = [r for r in results if r.status != "ok"]
@@ -261,10 +261,10 @@ class Prober:
         mask = np.ones((1, 2, 4, 4), dtype=bool)
         mask[..., 3] = False
         try:
-            probe = _clone(layer, layer.dtype_policy)
-            out = _numpy(probe(keras.ops.cast(scores, layer.compute_dtype), mask=mask))
+            clone = _clone(layer, layer.dtype_policy)
+            out = _numpy(clone(keras.ops.cast(scores, layer.compute_dtype), mask=mask))
         except Exception as exc:
-            return _failure("the softmax mask probe", exc)
+            return _failure("the softmax mask check", exc)
         leak = float(np.max(np.abs(out[..., 3]))) if np.all(np.isfinite(out)) else math.inf
         return _mask_verdict(leak, "masked softmax weight")
 
@@ -283,19 +283,19 @@ class Prober:
         mask[:, :, 3] = False
         dtype = layer.compute_dtype
         try:
-            probe = _clone(layer, layer.dtype_policy)
-            probe.build((1, 4, dq), (1, 4, dv))
-            _copy_weights(layer, probe)
+            clone = _clone(layer, layer.dtype_policy)
+            clone.build((1, 4, dq), (1, 4, dv))
+            _copy_weights(layer, clone)
             outs = [
                 _numpy(
-                    probe(
+                    clone(
                         keras.ops.cast(query, dtype), keras.ops.cast(v, dtype), attention_mask=mask
                     )
                 )
                 for v in (value, changed)
             ]
         except Exception as exc:
-            return _failure("the attention mask probe", exc)
+            return _failure("the attention mask check", exc)
         finite = all(np.all(np.isfinite(o)) for o in outs)
         leak = float(np.max(np.abs(outs[0] - outs[1]))) if finite else math.inf
         return _mask_verdict(leak, "output change when only masked keys/values change")

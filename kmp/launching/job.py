@@ -1,4 +1,4 @@
-"""The launch plan: what ``kmp launch`` runs (:func:`build_command`, pure) and running it.
+"""The job ``kmp launch`` runs: its plan (:func:`build_command`, pure) and running it.
 
 :func:`build_command` turns the options into a :class:`LaunchPlan`, an argument
 list (never a shell string) and the ``KMP_*`` variables every rank receives; it
@@ -14,7 +14,7 @@ hosts), with Open MPI it adds ``-x VAR`` for each one, and MPICH / Intel MPI
 pass the environment on by default.
 
 Host lists (``-H``, ``--hostfile``) are parsed by :mod:`kmp.launching.hosts`,
-the engines' variables come from :mod:`kmp.launching.engines` and an elastic
+the engines' variables come from :mod:`kmp.launching.engine_env` and an elastic
 job's arguments from :mod:`kmp.launching.elastic`.
 """
 
@@ -33,7 +33,7 @@ from kmp._names import VALID_POLICIES, normalize_policy
 from kmp.launching import horovodrun as horovodrun_entry
 from kmp.launching import preflight
 from kmp.launching.elastic import ElasticOptions, check_discovery, elastic_args
-from kmp.launching.engines import engine_env, local_argv
+from kmp.launching.engine_env import engine_env, local_argv
 from kmp.launching.hosts import HOST_RE, Host, LaunchError, check_count
 from kmp.launching.processes import run_forwarding_signals
 
@@ -162,7 +162,7 @@ def build_command(
         elastic: Run an elastic job (:mod:`kmp.launching.elastic`); its
             hosts come from host discovery, so ``hosts`` must be None, and
             ``np`` may be None (see :func:`~kmp.launching.elastic.elastic_args`).
-        engine: ``"horovod"`` or ``"jax"`` (:mod:`kmp.launching.engines`:
+        engine: ``"horovod"`` or ``"jax"`` (:mod:`kmp.launching.engine_env`:
             horovodrun starts the processes, which join JAX's runtime).
         coordinator_port: The JAX coordinator's port (None: a free one).
         gloo_timeout: Seconds a rank waits in a Gloo operation, the start-up
