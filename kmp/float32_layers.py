@@ -62,7 +62,8 @@ def keep_float32(model: keras.Model, *selectors: str | type) -> list[str]:
     (quantized: its mode from float32); a tied ``ReversibleEmbedding``'s 16-bit
     ``reverse_dtype`` becomes float32. ``kmp.audit`` reports their cost as info only. Saved,
     a Sequential or Functional model keeps them (each layer's config); a subclassed or
-    KerasHub one does not: call this again after loading (the audit's mark is not saved).
+    KerasHub one does too when saved with :func:`kmp.save_model` and loaded with
+    :func:`kmp.load_model` (the file records the kept paths, :func:`kept_paths`).
 
     Args:
         model: A built Keras model (Sequential, Functional, subclassed, KerasHub) or layer.
@@ -118,3 +119,40 @@ def keep_float32(model: keras.Model, *selectors: str | type) -> list[str]:
     if changed:  # ``model.outputs``, ``layer.output`` and fit's traced step say 16 bits
         _forget_old_dtypes([model, *(v.layer for v in visits)])
     return changed
+
+
+def kept_paths(model: Any) -> list[str]:
+    """The paths of the layers of ``model`` that :func:`keep_float32` kept, in walk order."""
+    return [v.path for v in walk(model, inputs=False) if getattr(v.layer, KEPT_MARK, False) is True]
+
+
+def restore_kept(model: Any, paths: Any) -> tuple[list[str], list[str]]:
+    """Keep the layers at ``paths`` (:func:`kept_paths` of the saved model) in float32 again.
+
+    Each gets the float32 policy where it computes in 16 bits (a tied
+    ``ReversibleEmbedding``'s 16-bit ``reverse_dtype`` too) and the audit's mark. A layer
+    that its model built with 16-bit variables (under a pure 16-bit policy, a layer the
+    saved config does not hold) keeps them: only its compute dtype changes.
+
+    Returns:
+        The paths not found in ``model`` (another architecture), and those of the kept
+        layers whose own variables are 16-bit, for the caller to report.
+    """
+    wanted = set(paths)
+    if not wanted:
+        return [], []
+    visits = [v for v in walk(model, inputs=False) if v.path in wanted]
+    changed = False
+    for visit in visits:
+        layer, policy = visit.layer, _float32_policy(visit.layer)
+        if policy is not None:
+            layer.dtype_policy = policy
+        if getattr(layer, "reverse_dtype", None) in LOW_FLOATS:
+            layer.reverse_dtype = "float32"
+            changed = True
+        changed = changed or policy is not None
+        setattr(layer, KEPT_MARK, True)
+    if changed:
+        _forget_old_dtypes([model, *(v.layer for v in walk(model, inputs=False))])
+    low = [v.path for v in visits if any(w.dtype in LOW_FLOATS for w in v.layer.weights)]
+    return sorted(wanted - {v.path for v in visits}), low

@@ -102,7 +102,15 @@ def choose_policy(hw: _hw.Hardware) -> tuple[str, str]:
     return "float32", "no GPU, TPU or CPU bfloat16 instructions: mixed precision would be slower"
 
 
-def _resolve(policy: str | keras.DTypePolicy, hw: _hw.Hardware | None) -> PolicyChoice:
+def resolve_policy(policy: str | keras.DTypePolicy, hw: _hw.Hardware | None) -> PolicyChoice:
+    """What ``policy`` (a name ``enable`` takes, or a ``keras.DTypePolicy``) means here.
+
+    ``"auto"`` is :func:`choose_policy`'s choice for ``hw`` (detected when None).
+
+    Raises:
+        TypeError: ``policy`` is neither a string nor a ``keras.DTypePolicy``.
+        ValueError: An unknown name (the message lists the valid ones).
+    """
     if isinstance(policy, keras.DTypePolicy):
         return _choice(policy, "given as a Keras DTypePolicy")
     if not isinstance(policy, str):
@@ -160,12 +168,12 @@ def enable(
     """
     env = os.environ.get(POLICY_ENV_VAR)
     if env:
-        choice = _resolve(env, hardware)
+        choice = resolve_policy(env, hardware)
         choice = dataclasses.replace(
             choice, reason=f"{choice.reason} (from {POLICY_ENV_VAR}={env})"
         )
     else:
-        choice = _resolve(policy, hardware)
+        choice = resolve_policy(policy, hardware)
     hw = hardware if hardware is not None else _hw.detect()
     if choice.compute_dtype == "float16" and not hw.gpus:
         warnings.warn(

@@ -13,6 +13,12 @@ compiled, or uncompiled, and the saved optimizer's state is dropped with a warni
 with the saved optimizer, loss and metrics, then loads the optimizer's variables. An
 optimizer that still does not come back as saved (its class, or its step count) is an
 error, never a silent replacement.
+
+``load_model(path, policy=...)`` loads a model to serve in another precision: the
+saved config's policies are rewritten as :mod:`kmp.load_precision` decides, in a
+temporary copy of the archive, and Keras loads that copy uncompiled. The layers
+``kmp.keep_float32`` kept are recorded in the manifest (``kept_float32``) and kept in
+float32 again on every load.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import dataclasses
 import json
 import os
 import re
+import shutil
+import tempfile
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -32,6 +40,9 @@ import keras
 from kmp import rank_weights as _rw
 from kmp import training_state as _ts
 from kmp._files import atomic_write
+from kmp._names import POLICY_NAMES, VALID_POLICIES
+from kmp.float32_layers import restore_kept
+from kmp.load_precision import plan_policies, rewrite_config
 
 __all__ = ["load_model", "read_state", "save_model"]
 
@@ -238,24 +249,99 @@ def _follow_world(model: keras.Model, state: Any) -> None:
     warnings.warn(change.note, UserWarning, stacklevel=3)
 
 
-def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
-    """Load a ``.keras`` model with its whole training state.
+def _policy_name(policy: Any) -> str:
+    """The concrete policy ``load_model(policy=...)`` loads in ("auto": this machine's)."""
+    from kmp.policy import resolve_policy
+
+    if not isinstance(policy, str | keras.DTypePolicy):
+        raise TypeError(
+            f"kmp.load_model(policy=...) takes a policy name ({', '.join(VALID_POLICIES)}) "
+            f"or a keras.DTypePolicy, not {type(policy).__name__} {policy!r}."
+        )
+    name = resolve_policy(policy, None).name
+    if name not in POLICY_NAMES:
+        raise ValueError(
+            f"kmp.load_model(policy={name!r}): load in one of {', '.join(VALID_POLICIES)}; "
+            "a quantized layer keeps its own mode, from the policy chosen."
+        )
+    return name
+
+
+def _copy_with_config(source: str, target: str, config: dict) -> None:
+    """Copy the archive ``source`` to ``target`` with ``config`` as its ``config.json``."""
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w") as new:
+        for info in old.infolist():
+            entry = zipfile.ZipInfo(info.filename, info.date_time)
+            entry.compress_type = info.compress_type
+            if info.filename == "config.json":
+                new.writestr(entry, json.dumps(config))
+                continue
+            with old.open(info) as reading, new.open(entry, "w") as writing:
+                shutil.copyfileobj(reading, writing, 1 << 20)
+
+
+def _load_in(path: str, policy: str, state: Any, kwargs: dict) -> keras.Model:
+    """Load the model with every layer in ``policy`` (kept layers float32), uncompiled."""
+    if kwargs.get("compile", False):
+        raise ValueError(
+            f"kmp.load_model({path!r}, policy={policy!r}, compile=True): a model loaded in "
+            "another precision comes back uncompiled (the saved optimizer's state, loss scale "
+            "included, belongs to the precision it trained in). Resume training with "
+            "kmp.load_model(path), or compile the served model yourself."
+        )
+    with _archive(path) as archive:
+        config = json.loads(archive.read("config.json"))
+    kept = state.kept_float32 if state is not None else ()
+    config = rewrite_config(config, plan_policies(config, policy, kept))
+    previous = keras.config.dtype_policy()
+    with tempfile.TemporaryDirectory(prefix="kmp-load-") as folder:
+        copy = os.path.join(folder, "model.keras")
+        _copy_with_config(path, copy, config)
+        keras.config.set_dtype_policy(policy)  # layers the config does not hold follow it
+        try:
+            return keras.saving.load_model(copy, **{**kwargs, "compile": False})
+        finally:
+            keras.config.set_dtype_policy(previous)
+
+
+def load_model(
+    path: str | os.PathLike, policy: str | keras.DTypePolicy | None = None, **kwargs: Any
+) -> keras.Model:
+    """Load a ``.keras`` model with its whole training state, or to serve in a chosen precision.
 
     Works on any model: Sequential, Functional, subclassed (also classes that
     override ``compile``), KerasHub tasks, keras.applications. Restored: the
     weights; the optimizer as saved (class, settings, every variable); with a
     file written by :func:`save_model` (or :class:`kmp.callbacks.AtomicCheckpoint`)
-    also the random-number generators' states and the non-trainable weights kept
-    per rank (:mod:`kmp.rank_weights`), each rank its own. kmp's layers and optimizer are
-    registered with Keras first, so a fresh process needs nothing else.
+    also the random-number generators' states, the non-trainable weights kept
+    per rank (:mod:`kmp.rank_weights`), each rank its own, and the layers
+    :func:`kmp.keep_float32` kept (float32 again, marked for ``kmp.audit``). kmp's
+    layers and optimizer are registered with Keras first, so a fresh process needs
+    nothing else.
 
     A checkpoint written by another number of processes loads with a warning
     that says what changes (:func:`kmp.training_state.world_change`); a
     learning rate scaled by the world size follows the new size.
 
+    With ``policy``, every layer computes and stores its variables as that policy
+    says, whatever policy it was saved with (:mod:`kmp.load_precision` decides),
+    except the layers ``keep_float32`` kept (float32) and kmp's float32 head
+    (``Float32Output``, ``Float32Outputs``), so the outputs stay float32. The saved
+    weights are cast once, as they are loaded. The saved optimizer is not restored
+    (its state, loss scale included, belongs to the precision it trained in): the
+    model comes back uncompiled, or with what its constructor compiled (KerasHub
+    tasks). docs/serving.md is the guide, with the measured differences between
+    precisions.
+
     Args:
         path: A file written by :func:`save_model` or ``model.save("m.keras")``
             (a legacy ``.h5`` model is passed to Keras as it is).
+        policy: None (each layer as saved, with its optimizer), or the policy to
+            serve in: ``"float32"``, ``"bfloat16"``, ``"float16"``,
+            ``"mixed_float16"``, ``"mixed_bfloat16"``, ``"auto"`` (what
+            ``kmp.enable("auto")`` picks for this machine, see
+            :func:`kmp.policy.choose_policy`) or a ``keras.DTypePolicy``. The global
+            policy and ``KMP_POLICY`` are not read, nor changed.
         **kwargs: Passed to ``keras.saving.load_model`` (e.g. ``compile=False``:
             the weights without the optimizer).
 
@@ -264,22 +350,33 @@ def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: Not a ``.keras`` archive; or the saved optimizer or the
-            random state could not be restored (the message says what to do).
+        TypeError: ``policy`` is neither a string nor a ``keras.DTypePolicy``.
+        ValueError: Not a ``.keras`` archive; an unknown ``policy`` (the message lists
+            the valid names), or one with ``compile=True`` or a legacy ``.h5`` file;
+            or the saved optimizer or the random state could not be restored (the
+            message says what to do).
     """
     path = os.fspath(path)
     import kmp.layers  # registers Float32Output(s)
     import kmp.optimizer  # noqa: F401  (registers the wrapped optimizer)
 
+    name = None if policy is None else _policy_name(policy)
     if os.path.exists(path) and not path.endswith(".keras") and not zipfile.is_zipfile(path):
+        if name is not None:
+            raise ValueError(f"kmp.load_model({path!r}, policy=...) needs a .keras file.")
         return keras.saving.load_model(path, **kwargs)  # a legacy .h5 model: Keras's alone
     compile_config = _compile_config(path)
     state = read_state(path)
 
-    compiling = kwargs.get("compile", True) and compile_config is not None
+    compiling = name is None and kwargs.get("compile", True) and compile_config is not None
     handled = (_SKIPPED_OPTIMIZER, _SKIPPED_COMPILE) if compiling else ()
+    if name is not None:  # served: the saved optimizer is dropped on purpose
+        handled = (_SKIPPED_OPTIMIZER,)
     with _noting(*handled) as noted:  # Keras's notes that it dropped the optimizer: acted on
-        model = keras.saving.load_model(path, **kwargs)
+        if name is None:
+            model = keras.saving.load_model(path, **kwargs)
+        else:
+            model = _load_in(path, name, state, kwargs)
     if compiling:
         dropped = any(_SKIPPED_OPTIMIZER in text for text in noted)
         if _keras_skips_compile(model) or dropped:
@@ -293,6 +390,7 @@ def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
             _rw.restore(model, _read_rank_weights(path), distributed.rank())
         if compiling:
             _follow_world(model, state)
+        _restore_kept(model, path, state, policy=name)
     elif compiling and _ts.seed_states(model):
         warnings.warn(
             f"{path!r} holds no kmp training state (model.save wrote it, not kmp.save_model "
@@ -303,3 +401,25 @@ def load_model(path: str | os.PathLike, **kwargs: Any) -> keras.Model:
             stacklevel=2,
         )
     return model
+
+
+def _restore_kept(model: keras.Model, path: str, state: Any, policy: str | None) -> None:
+    """Keep the layers ``keep_float32`` kept in float32 again; warn about what could not be."""
+    missing, low = restore_kept(model, state.kept_float32)
+    if missing:
+        warnings.warn(
+            f"{path!r} records {len(missing)} layer(s) kept in float32 that the loaded "
+            f"{type(model).__name__} does not have ({', '.join(missing[:5])}): they were not "
+            "restored.",
+            UserWarning,
+            stacklevel=3,
+        )
+    if low and policy is not None:  # as saved, they had them too
+        warnings.warn(
+            f"Loaded in {policy!r}, {len(low)} layer(s) kept in float32 "
+            f"({', '.join(low[:5])}) were built by their model with 16-bit variables: they "
+            "compute in float32 from 16-bit weights. Load with a mixed policy (float32 "
+            "variables) to keep their weights in float32 too.",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -59,6 +59,9 @@ class TrainingState:
         master_weights: kmp's optimizer's ``master_weights`` setting (None: not kmp's).
         rank_weights: Paths of the non-trainable weights saved per rank (their values
             are the archive's :data:`kmp.rank_weights.ENTRY`).
+        kept_float32: Paths (:mod:`kmp.layer_walk`'s) of the layers ``kmp.keep_float32``
+            kept, which :func:`kmp.load_model` keeps in float32 under any policy (empty
+            in files written before kmp recorded them).
         versions: kmp, Keras and backend versions, and the backend's name.
         format: The layout version of this record.
     """
@@ -75,6 +78,7 @@ class TrainingState:
     policy: str = "float32"
     master_weights: str | None = None
     rank_weights: tuple[str, ...] = ()
+    kept_float32: tuple[str, ...] = ()
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     format: int = FORMAT
 
@@ -108,6 +112,7 @@ class TrainingState:
             tuple(tuple(pair) for pair in rank) for rank in data.get("seed_states", ())
         )
         data["rank_weights"] = tuple(data.get("rank_weights", ()))
+        data["kept_float32"] = tuple(data.get("kept_float32", ()))
         if data.get("global_seed_state") is not None:
             data["global_seed_state"] = tuple(data["global_seed_state"])
         return cls(**data)
@@ -177,6 +182,7 @@ def capture(
     """
     from kmp import distributed
     from kmp._version import __version__
+    from kmp.float32_layers import kept_paths
 
     optimizer = getattr(model, "optimizer", None)
     iterations = name = master = None
@@ -202,6 +208,7 @@ def capture(
         engine=world.engine,
         policy=keras.config.dtype_policy().name,
         master_weights=master,
+        kept_float32=tuple(kept_paths(model)),
         versions={
             "kmp": __version__,
             "keras": keras.__version__,

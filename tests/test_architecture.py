@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp.layers",
             "kmp.layer_walk",
             "kmp.float32_layers",
+            "kmp.load_precision",
             "kmp.master_weights",
             "kmp.auditing",
             "kmp.probing",

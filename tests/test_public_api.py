@@ -94,6 +94,7 @@ FACES: dict[str, set[str]] = {
     },
     "kmp.layers": {"Float32Output", "float32_outputs", "has_float32_outputs"},
     "kmp.float32_layers": {"keep_float32"},
+    "kmp.load_precision": {"plan_policies", "rewrite_config"},
     "kmp.probing": {"ProbeReport", "probe"},
     "kmp.auditing": {"AuditReport", "audit"},
     "kmp.elastic": {
