@@ -105,8 +105,16 @@ def keep_float32(model: keras.Model, *selectors: str | type) -> list[str]:
                 f"{f', ... ({len(visits)} in all)' * (len(visits) > 10)}."
             )
         chosen.update(id(y) for x in hits for y in x._flatten_layers(include_self=True))
+    return _keep([v for v in visits if id(v.layer) in chosen], model, visits)
+
+
+def _keep(kept: list, model: Any, visits: list) -> list[str]:
+    """Move the ``kept`` visits' layers to float32 and mark them; the paths that changed.
+
+    ``visits`` are all of ``model``'s: their traced dtypes are dropped when anything changed.
+    """
     # Every new policy is decided before anything changes.
-    plan = [(v.layer, v.path, _float32_policy(v.layer)) for v in visits if id(v.layer) in chosen]
+    plan = [(v.layer, v.path, _float32_policy(v.layer)) for v in kept]
     changed = []
     for layer, path, policy in plan:
         reverse = getattr(layer, "reverse_dtype", None) in LOW_FLOATS
@@ -141,18 +149,8 @@ def restore_kept(model: Any, paths: Any) -> tuple[list[str], list[str]]:
     wanted = set(paths)
     if not wanted:
         return [], []
-    visits = [v for v in walk(model, inputs=False) if v.path in wanted]
-    changed = False
-    for visit in visits:
-        layer, policy = visit.layer, _float32_policy(visit.layer)
-        if policy is not None:
-            layer.dtype_policy = policy
-        if getattr(layer, "reverse_dtype", None) in LOW_FLOATS:
-            layer.reverse_dtype = "float32"
-            changed = True
-        changed = changed or policy is not None
-        setattr(layer, KEPT_MARK, True)
-    if changed:
-        _forget_old_dtypes([model, *(v.layer for v in walk(model, inputs=False))])
+    every = list(walk(model, inputs=False))
+    visits = [v for v in every if v.path in wanted]
+    _keep(visits, model, every)
     low = [v.path for v in visits if any(w.dtype in LOW_FLOATS for w in v.layer.weights)]
     return sorted(wanted - {v.path for v in visits}), low

@@ -45,6 +45,7 @@ from kmp import _checks, distributed
 from kmp import loss_scale as _ls
 from kmp import master_weights as _mw
 from kmp._legacy_keras import is_tf_keras_object
+from kmp._names import normalize_compression
 from kmp.distributed.collectives import check_averaging_runtime
 from kmp.learning_rate import ScaledLearningRate, scaled_learning_rate
 from kmp.optimizer_settings import OptimizerSettings
@@ -92,11 +93,7 @@ def resolve_rule(settings: OptimizerSettings) -> _ls.LossScale:
         TypeError: ``compression`` is a custom compressor (the tf-keras path's only).
         ValueError: The policy's weights cannot take ``master_weights``.
     """
-    if not (settings.compression is None or isinstance(settings.compression, str)):
-        raise TypeError(
-            f"compression={settings.compression!r} is a custom Horovod compressor, which only "
-            "the tf-keras path takes; use None, 'fp16' or 'bf16' with Keras 3."
-        )
+    normalize_compression(settings.compression)  # names only: a custom compressor is refused
     policy = keras.config.dtype_policy()
     # The global policy's weights must allow the mode (its layers' weights are checked at build).
     _mw.update_mode(settings.master_weights, policy.variable_dtype)
