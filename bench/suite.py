@@ -37,6 +37,7 @@ RESULT_NAMES = {
     "memory": "memory",
     "peers": "peers",
     "numerics": "numerics",
+    "inference": "inference",
 }
 # Environment variables that would change what a benchmark measures.
 _SCRUBBED_ENV = ("KMP_POLICY",)
@@ -99,6 +100,12 @@ def plan(args: argparse.Namespace) -> list[Part]:
             parts.append(Part(name, "peers.py", ("--quick",) if quick else ()))
         elif name == "numerics":  # its own workloads: digits, MNIST-1D, the GPT on text
             parts.append(Part(name, "numerics.py", ("--quick",) if quick else ()))
+        elif name == "inference":  # its own models, trained then served in each precision
+            argv = ["--exports"]
+            if quick:
+                argv += ["--quick", "--models", "digits_cnn,mlp,gpt"]
+                argv += ["--precisions", "float32,bfloat16,int8"]
+            parts.append(Part(name, "inference.py", tuple(argv)))
         else:
             raise ValueError(f"unknown benchmark part {name!r}")
     return parts

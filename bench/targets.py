@@ -291,6 +291,7 @@ def judged_by_part(part: str):
 
 target_peers = judged_by_part("peers")
 target_numerics = judged_by_part("numerics")
+target_inference = judged_by_part("inference")
 
 
 TARGETS = (
@@ -302,6 +303,7 @@ TARGETS = (
     target_memory,
     target_gpu,
     target_numerics,
+    target_inference,
 )
 
 

@@ -35,6 +35,8 @@ _EXPORTS: dict[str, str] = {
     "LossScale": "kmp.loss_scale",
     "save_model": "kmp.saving",
     "load_model": "kmp.saving",
+    "export": "kmp.exporting",
+    "quantize": "kmp.quantizing",
     "configure_gpus": "kmp.gpu",
 }
 # Namespaces reachable as attributes (``kmp.distributed.init()``), each with its own face.
@@ -68,6 +70,7 @@ if _TYPE_CHECKING:  # pragma: no cover  (static analysers see the lazy names)
     )
     from kmp._dispatch import wrap_optimizer  # noqa: F401
     from kmp.auditing import audit  # noqa: F401
+    from kmp.exporting import export  # noqa: F401
     from kmp.float32_layers import keep_float32  # noqa: F401
     from kmp.gpu import configure_gpus  # noqa: F401
     from kmp.layers import float32_outputs  # noqa: F401
@@ -75,6 +78,7 @@ if _TYPE_CHECKING:  # pragma: no cover  (static analysers see the lazy names)
     from kmp.optimizer_settings import OptimizerSettings  # noqa: F401
     from kmp.policy import current_policy, disable, enable, policy_scope  # noqa: F401
     from kmp.probing import probe  # noqa: F401
+    from kmp.quantizing import quantize  # noqa: F401
     from kmp.saving import load_model, save_model  # noqa: F401
 
 

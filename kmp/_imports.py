@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["INSTALL_HINTS", "optional_import", "is_available"]
+__all__ = ["INSTALL_HINTS", "SERVE_INSTALL", "is_available", "optional_import"]
 
 # Module name -> how to install it.
 INSTALL_HINTS: dict[str, str] = {
@@ -28,6 +28,10 @@ INSTALL_HINTS: dict[str, str] = {
     "tf_keras": "pip install tf-keras==2.21.0  (and set TF_USE_LEGACY_KERAS=1)",
     "jax": "pip install 'kmp[jax]'",
 }
+# The export formats' converters and runtimes (kmp.export): one install for all of them.
+SERVE_INSTALL = 'pip install -r requirements-serve.txt  (or: pip install "kmp[serve]")'
+for _module in ("tf2onnx", "onnx", "onnxruntime", "onnxconverter_common", "ai_edge_litert"):
+    INSTALL_HINTS[_module] = SERVE_INSTALL
 
 
 def _top(name: str) -> str:

@@ -34,7 +34,7 @@ from typing import Any
 
 from kmp._names import POLICY_NAMES
 
-__all__ = ["plan_policies", "rewrite_config"]
+__all__ = ["plan_policies", "quantized_layers", "rewrite_config"]
 
 # Serialized objects whose "dtype" is not a layer's policy, or that hold no layers.
 _NOT_POLICIES = ("InputLayer", "__keras_tensor__")
@@ -134,3 +134,15 @@ def rewrite_config(config: dict, plan: dict[str, str]) -> dict:
         if path in plan:
             layer["dtype"] = plan[path]
     return config
+
+
+def quantized_layers(config: dict) -> list[str]:
+    """The paths of the quantized layers in a saved model's config (``kmp.quantize``'s).
+
+    Args:
+        config: The model's config, as ``config.json`` of a ``.keras`` archive holds it.
+
+    Returns:
+        The paths, in config order; empty when no layer is quantized.
+    """
+    return [path for path, layer in _layer_configs(config) if _saved_policy(layer["dtype"])[1]]

@@ -42,7 +42,7 @@ from kmp import training_state as _ts
 from kmp._files import atomic_write
 from kmp._names import POLICY_NAMES, VALID_POLICIES
 from kmp.float32_layers import restore_kept
-from kmp.load_precision import plan_policies, rewrite_config
+from kmp.load_precision import plan_policies, quantized_layers, rewrite_config
 
 __all__ = ["load_model", "read_state", "save_model"]
 
@@ -143,10 +143,9 @@ def _archive(path: str | os.PathLike) -> zipfile.ZipFile:
         ) from exc
 
 
-def _compile_config(path: str) -> dict | None:
+def _saved_config(path: str) -> dict:
     with _archive(path) as archive:
-        config = json.loads(archive.read("config.json"))
-    return config.get("compile_config") or None
+        return json.loads(archive.read("config.json"))
 
 
 def _keras_skips_compile(model: keras.Model) -> bool:
@@ -180,8 +179,13 @@ def _noting(*texts: str) -> Iterator[list[str]]:
         yield noted
 
 
-def _compile_as_saved(model: keras.Model, path: str, compile_config: dict) -> None:
+def _compile_as_saved(
+    model: keras.Model, path: str, compile_config: dict, quantized: bool = False
+) -> None:
     """Compile ``model`` with its saved optimizer, loss and metrics, then load their state.
+
+    A quantized model's saved optimizer state is the float model's, from before
+    ``kmp.quantize`` changed its variables: it is left out with a warning, not an error.
 
     Raises:
         ValueError: The saved optimizer's variables still do not fit it (it had been
@@ -193,17 +197,26 @@ def _compile_as_saved(model: keras.Model, path: str, compile_config: dict) -> No
         model.optimizer.build(model.trainable_variables)
     with _noting(_SKIPPED_OPTIMIZER) as noted:
         model.load_weights(path)  # weights again, and now the optimizer's variables
-    for text in noted:
-        found = re.search(r"saved optimizer has (\d+) variables", text)
-        # More than iterations and the learning rate: the optimizer was built and stepped.
-        if found is not None and int(found.group(1)) > 2:
-            raise ValueError(
-                f"{path!r}: the saved optimizer {_saved_optimizer_name(compile_config)} has "
-                f"{found.group(1)} variables, but {type(model).__name__}.compile gave "
-                f"{type(model.optimizer).__name__} with {len(model.optimizer.variables)}, so "
-                "its state (moments, loss scale) cannot be restored. Load it with "
-                "compile=False and compile it yourself."
-            )
+    counts = [re.search(r"saved optimizer has (\d+) variables", text) for text in noted]
+    # More than iterations and the learning rate: the optimizer was built and stepped.
+    saved = max((int(found.group(1)) for found in counts if found is not None), default=0)
+    if saved > 2 and quantized:
+        warnings.warn(
+            f"{path!r} holds a quantized model: its saved optimizer state ({saved} "
+            "variables) is the float model's from before it was quantized and does not fit "
+            f"the quantized variables; {type(model).__name__} is compiled with a fresh "
+            f"{type(model.optimizer).__name__}.",
+            UserWarning,
+            stacklevel=4,
+        )
+    elif saved > 2:
+        raise ValueError(
+            f"{path!r}: the saved optimizer {_saved_optimizer_name(compile_config)} has "
+            f"{saved} variables, but {type(model).__name__}.compile gave "
+            f"{type(model.optimizer).__name__} with {len(model.optimizer.variables)}, so "
+            "its state (moments, loss scale) cannot be restored. Load it with "
+            "compile=False and compile it yourself."
+        )
 
 
 def _saved_optimizer_name(compile_config: dict | None) -> str | None:
@@ -213,8 +226,10 @@ def _saved_optimizer_name(compile_config: dict | None) -> str | None:
     return optimizer.get("registered_name") or optimizer.get("class_name")
 
 
-def _check_optimizer(model: keras.Model, path: str, saved_name: str | None, state: Any) -> None:
-    """Raise when the optimizer did not come back as it was saved."""
+def _check_optimizer(
+    model: keras.Model, path: str, saved_name: str | None, state: Any, quantized: bool = False
+) -> None:
+    """Raise when the optimizer did not come back as it was saved (its step: not quantized)."""
     optimizer = getattr(model, "optimizer", None)
     if saved_name is None:
         return
@@ -225,7 +240,7 @@ def _check_optimizer(model: keras.Model, path: str, saved_name: str | None, stat
             f"{type(model).__name__} came back with {have}. Load it with compile=False and "
             "compile it yourself, or report this model class to kmp."
         )
-    if state is not None and state.iterations is not None:
+    if state is not None and state.iterations is not None and not quantized:
         now = int(keras.ops.convert_to_numpy(optimizer.iterations))
         if now != state.iterations:
             raise ValueError(
@@ -365,7 +380,9 @@ def load_model(
         if name is not None:
             raise ValueError(f"kmp.load_model({path!r}, policy=...) needs a .keras file.")
         return keras.saving.load_model(path, **kwargs)  # a legacy .h5 model: Keras's alone
-    compile_config = _compile_config(path)
+    saved_config = _saved_config(path)
+    compile_config = saved_config.get("compile_config") or None
+    quantized = bool(quantized_layers(saved_config.get("config", {})))
     state = read_state(path)
 
     compiling = name is None and kwargs.get("compile", True) and compile_config is not None
@@ -380,8 +397,8 @@ def load_model(
     if compiling:
         dropped = any(_SKIPPED_OPTIMIZER in text for text in noted)
         if _keras_skips_compile(model) or dropped:
-            _compile_as_saved(model, path, compile_config)
-        _check_optimizer(model, path, _saved_optimizer_name(compile_config), state)
+            _compile_as_saved(model, path, compile_config, quantized)
+        _check_optimizer(model, path, _saved_optimizer_name(compile_config), state, quantized)
     if state is not None:
         from kmp import distributed
 

@@ -51,9 +51,9 @@ find_python() {
 want_stamp() {
   # Everything that decides what is installed: the files and the plan.
   cat "$ROOT/requirements.txt" "$ROOT/requirements-docs.txt" "$ROOT/requirements-hub.txt" \
-    "$ROOT/pyproject.toml" \
+    "$ROOT/requirements-serve.txt" "$ROOT/pyproject.toml" \
     "${BASH_SOURCE[0]}" "$ROOT/kmp/install/plan.py" | sha256sum | cut -c1-16
-  echo "hub=${KMP_HUB:-1}"
+  echo "hub=${KMP_HUB:-1} serve=${KMP_SERVE:-1}"
   echo "$PLAN"
 }
 
@@ -123,6 +123,10 @@ if [ "${KMP_SETUP_FORCE:-0}" = 1 ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" !
     pip_q install -q --disable-pip-version-check -r "$ROOT/requirements-hub.txt"
     pip_q install -q --disable-pip-version-check --no-deps \
       "$(sed -n 's/^# no-deps: //p' "$ROOT/requirements-hub.txt")"
+  fi
+  # The export converters and runtimes (requirements-serve.txt; KMP_SERVE=0 leaves them out).
+  if [ "${KMP_SERVE:-1}" != 0 ]; then
+    pip_q install -q --disable-pip-version-check -r "$ROOT/requirements-serve.txt"
   fi
   pip_q install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$ROOT"
   log "packages installed in $((SECONDS - t0)) s"

@@ -66,6 +66,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp.saving",
         ),
     ),
+    ("serving", ("kmp.exporting", "kmp.quantizing")),
     ("compat", ("kmp.compat",)),
     ("tools", ("kmp.launching", "kmp.cluster", "kmp.install")),
     ("commands", ("kmp.cli", "kmp.commands")),

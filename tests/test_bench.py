@@ -122,12 +122,21 @@ def test_bench_is_a_kmp_command():
 def test_plan_passes_the_options_to_each_script():
     suite = _load("suite")
     parts = {p.name: p for p in suite.plan(_args(model="cnn", steps=7, batch=16))}
-    assert list(parts) == ["policies", "overhead", "allreduce", "memory", "peers", "numerics"]
+    assert list(parts) == [
+        "policies",
+        "overhead",
+        "allreduce",
+        "memory",
+        "peers",
+        "numerics",
+        "inference",
+    ]
     assert parts["peers"].argv == ()  # its own models and sizes (the digits CNN, wide_mlp)
     assert parts["numerics"].argv == ()  # its own workloads (digits, MNIST-1D, the GPT)
+    assert parts["inference"].argv == ("--exports",)  # its own models, trained then served
     for name, part in parts.items():
         assert (BENCH / part.script).name == f"{name}.py"
-        if name in ("peers", "numerics"):
+        if name in ("peers", "numerics", "inference"):
             continue
         argv = list(part.argv)
         assert argv[argv.index("--steps") + 1] == "7"
@@ -427,6 +436,79 @@ def test_numerics_aggregates_seeds_and_judges_the_targets():
     assert "| mnist1d | mixed_float16 | 93 +- 1 | 92 - 94 | -1.00 points | 2, 2, 2 |" in md
 
 
+def test_inference_judges_speed_quality_and_size_from_its_rows():
+    inference = _load("inference")
+
+    def row(model, precision, throughput, **extra):
+        timing = {"latency_ms": 1.0, "unit": "examples/s", "max_abs_diff": 0.0}
+        quality = {"top1_agreement": 1.0}
+        return {
+            "model": model,
+            "precision": precision,
+            "throughput": throughput,
+            **timing,
+            **quality,
+            **extra,
+        }
+
+    models = [
+        {
+            "model": "gpt",
+            "rows": [
+                row("gpt", "float32", 100.0, perplexity=4.0, top1_agreement=1.0),
+                row("gpt", "bfloat16", 160.0, perplexity=4.02, top1_agreement=0.97),
+                row("gpt", "int8", 120.0, perplexity=4.2, top1_agreement=0.9),
+            ],
+        },
+        {
+            "model": "digits_cnn",
+            "rows": [
+                row("digits_cnn", "float32", 10.0, accuracy=0.95, top1_agreement=1.0),
+                row("digits_cnn", "bfloat16", 12.0, accuracy=0.95, top1_agreement=0.985),
+                row("digits_cnn", "int8", 11.0, accuracy=0.945, top1_agreement=0.99),
+            ],
+        },
+        {
+            "model": "mlp",
+            "rows": [
+                row("mlp", "onnx-float32", 1.0, size_bytes=1000),
+                row("mlp", "onnx-float16", 1.0, size_bytes=505),
+                row("mlp", "litert-float32", 1.0, size_bytes=1000),
+                {"model": "mlp", "precision": "litert-float16", "error": "ValueError: no"},
+            ],
+        },
+    ]
+    result = {"machine": {"avx512_bf16": True, "gpus": []}, "models": models}
+    result["ratios"] = inference.ratios(models)
+    assert result["ratios"]["gpt"] == {"float32": 1.0, "bfloat16": 1.6, "int8": 1.2}
+    judged = {t["name"]: t for t in inference.targets(result)}
+    assert len(judged) == 11
+    speed = judged["inference, bfloat16 vs float32 throughput, gpt"]
+    assert (speed["value"], speed["met"]) == (1.6, True)
+    int8 = judged["inference, int8 vs float32 throughput, gpt"]
+    assert (int8["value"], int8["met"]) == (1.2, False) and int8["why"]
+    ppl = judged["inference, int8 perplexity vs float32, gpt"]
+    assert ppl["met"] is False and ppl["value"] == pytest.approx(0.05)
+    agree = judged["inference, bfloat16 top-1 agreement with float32, digits_cnn"]
+    assert (agree["value"], agree["met"]) == (0.985, False)
+    points = judged["inference, int8 accuracy vs float32, digits_cnn"]
+    assert points["met"] is True and points["value"] == pytest.approx(-0.5)
+    assert judged["inference, onnx float16 file size vs float32, mlp"]["met"] is True
+    assert judged["inference, litert float16 file size vs float32, mlp"]["met"] is None
+    assert judged["inference, bfloat16 vs float32 throughput, resnet50"]["met"] is None
+    md = inference.markdown(
+        {
+            **result,
+            "backend": "jax",
+            "train_policy": "mixed_bfloat16",
+            "batch": 64,
+            "targets": list(judged.values()),
+            "machine": {"cpu": "c", "cores": 2, "date": "d", "gpus": []},
+        }
+    )
+    assert "| gpt | bfloat16 |" in md and "| missed |" in md
+
+
 def test_numerics_options_are_checked():
     numerics = _load("numerics")
     quick = numerics.parse_args(["--quick"])
@@ -549,17 +631,24 @@ def _run(cmd, env=None, timeout=900):
 
 
 def _signed(part: str, path: str) -> bool:
-    """Figures that may be negative: the numerics' differences from float32."""
-    return part == "numerics" and path.rsplit("/", 1)[-1] in (
-        "delta_percent",
-        "delta_points",
-        "value",
-    )
+    """Figures that may be negative: differences from float32 (numerics, inference)."""
+    last = path.rsplit("/", 1)[-1]
+    if part == "inference":
+        return last == "value"  # a target's change in accuracy points or perplexity
+    return part == "numerics" and last in ("delta_percent", "delta_points", "value")
 
 
-def _numerics_targets(summary: dict) -> list[dict]:
+def _signed_targets(summary: dict) -> list[dict]:
+    """Targets whose value is a difference (may be <= 0): numerics' and inference's."""
     names = {"ranks' weights bit-identical after every run"}
-    return [t for t in summary["targets"] if t["name"] in names or "(mean of seeds)" in t["name"]]
+    return [
+        t
+        for t in summary["targets"]
+        if t["name"] in names
+        or "(mean of seeds)" in t["name"]
+        or t["name"].startswith("inference, int8 accuracy")
+        or "perplexity vs float32" in t["name"]
+    ]
 
 
 @pytest.mark.slow
@@ -588,11 +677,13 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
         assert fig["step_bytes"] > 0
     assert memory["policies"]["mixed_float16"]["activation_vs_float32"] < 1.0
     targets = {t["name"]: t for t in summary["targets"]}
-    assert len(targets) == 20
+    assert len(targets) == 31
     measured = [t for t in targets.values() if t["result"] != "not run"]
     # All but the GPU one and the two of the links (not in --quick); of the numerics, the
-    # GPT under mixed_float16 and the ranks' weights (the quick run has only those).
-    assert len(measured) == 11
+    # GPT under mixed_float16 and the ranks' weights (the quick run has only those); of
+    # inference's, those of the digits CNN, the MLP and the GPT in bfloat16 and int8 (not
+    # ResNet50's or MNIST-1D's) and both exports' sizes.
+    assert len(measured) == 19, [t["name"] for t in measured]
     peers = json.loads((out / summary["parts"]["peers"]["result_file"]).read_text())
     jobs = peers["local"]["jobs"]
     assert not peers["local"]["errors"]
@@ -602,7 +693,7 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
     assert peers["cluster"] == {"skipped": "--no-cluster"}
     for t in measured:
         assert math.isfinite(t["value"])
-        assert t["value"] > 0 or t in _numerics_targets(summary), t
+        assert t["value"] > 0 or t in _signed_targets(summary), t
     numerics = json.loads((out / summary["parts"]["numerics"]["result_file"]).read_text())
     assert [(r["workload"], r["policy"]) for r in numerics["rows"]] == [
         ("gpt", "float32"),

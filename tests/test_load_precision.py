@@ -20,7 +20,7 @@ import pytest
 import kmp
 from kmp.hardware import GPU, Hardware
 from kmp.layer_walk import walk
-from kmp.load_precision import plan_policies, rewrite_config
+from kmp.load_precision import plan_policies, quantized_layers, rewrite_config
 from kmp.training_state import TrainingState
 from tests import _zoo
 
@@ -213,6 +213,8 @@ def test_the_plan_leaves_integer_policies_and_quantized_modes_right():
     assert rewrite_config(config, plan)["config"]["layers"][0]["config"]["dtype"]["config"] == {
         "name": "int32"
     }
+    assert quantized_layers(config) == ["q"]  # what kmp.load_model reads to resume
+    assert quantized_layers(config["config"]["layers"][3]) == []
 
 
 @keras.saving.register_keras_serializable(package="test_load_precision")

@@ -28,8 +28,15 @@ NOTEBOOKS = (
     "03_distributed_horovod",
     "04_migrating",
     "05_transformers",
+    "06_serving",
 )
-WITH_PLOTS = ("01_quickstart", "02_loss_scaling", "03_distributed_horovod", "05_transformers")
+WITH_PLOTS = (
+    "01_quickstart",
+    "02_loss_scaling",
+    "03_distributed_horovod",
+    "05_transformers",
+    "06_serving",
+)
 CELL_TIMEOUT_S = 600
 
 _KERNEL_CHECK = "import sys; print('KMP-KERNEL-PREFIX=' + sys.prefix)"
@@ -163,6 +170,7 @@ def _check_executed(name: str, nb) -> None:
         "02_loss_scaling",
         "04_migrating",
         pytest.param("05_transformers", marks=pytest.mark.slow),
+        "06_serving",
     ],
 )
 def test_notebook_runs(name, tmp_path):

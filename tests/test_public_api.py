@@ -32,6 +32,8 @@ TOP = {
     "LossScale",
     "save_model",
     "load_model",
+    "export",
+    "quantize",
     "configure_gpus",
 }
 # Namespaces reachable as ``kmp.<name>`` (not star-exported), each with its own face below.
@@ -94,7 +96,7 @@ FACES: dict[str, set[str]] = {
     },
     "kmp.layers": {"Float32Output", "float32_outputs", "has_float32_outputs"},
     "kmp.float32_layers": {"keep_float32"},
-    "kmp.load_precision": {"plan_policies", "rewrite_config"},
+    "kmp.load_precision": {"plan_policies", "quantized_layers", "rewrite_config"},
     "kmp.probing": {"ProbeReport", "probe"},
     "kmp.auditing": {"AuditReport", "audit"},
     "kmp.elastic": {
@@ -123,6 +125,8 @@ FACES: dict[str, set[str]] = {
         "wrap_optimizer",
     },
     "kmp.saving": {"load_model", "read_state", "save_model"},
+    "kmp.exporting": {"ExportPlan", "ExportResult", "export", "plan_export"},
+    "kmp.quantizing": {"LayerOutcome", "QuantizeReport", "quantize"},
     "kmp.xla": {"jit_gradients", "step_jit_compile"},
 }
 # Packages whose ``__init__`` only gathers a face: every public name in them that is not a

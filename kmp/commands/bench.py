@@ -26,7 +26,11 @@ started as a child process of this one):
 * ``numerics``: test accuracy and validation loss under float32, mixed_bfloat16 and
   mixed_float16 on the digits CNN, the MNIST-1D paper's CNN and a byte-level GPT, 3
   seeds each on 2 ranks, with skipped steps, loss scales and the ranks' weights
-  (``bench/numerics.py``; ``--quick``: the GPT under 2 policies, 2 steps an epoch).
+  (``bench/numerics.py``; ``--quick``: the GPT under 2 policies, 2 steps an epoch);
+* ``inference``: latency and throughput of serving the trained digits CNN, MNIST-1D CNN,
+  a Dense-heavy MLP, the GPT (tokens/s of generation) and ResNet50 in float32, bfloat16,
+  float16, mixed_bfloat16 and int8 and through each ``kmp.export`` runtime, beside their
+  accuracy or perplexity (``bench/inference.py``).
 
 Each part writes ``NAME.json`` and ``NAME.md`` into the output folder; then
 ``summary.json``, ``summary.md`` (each target, the measured figure, met or
@@ -52,7 +56,7 @@ from kmp.commands import command_main
 
 __all__ = ["ALIASES", "MODELS", "PARTS", "configure", "find_bench_dir", "main", "run"]
 
-PARTS = ("policies", "overhead", "allreduce", "memory", "peers", "numerics")
+PARTS = ("policies", "overhead", "allreduce", "memory", "peers", "numerics", "inference")
 # Other names accepted by --only, and the part that measures them.
 ALIASES = {"scaling": "allreduce", "weak_scaling": "allreduce", "policy": "policies"}
 # The models of bench/models.py, repeated so that the parser needs no import of bench/.

@@ -1,0 +1,23 @@
+"""``kmp.export``: train mixed, serve anywhere: SavedModel, ONNX and LiteRT, verified.
+
+One call writes a model for serving in the format and weight precision asked for, then
+runs the written file in that format's own runtime (TensorFlow, onnxruntime, the LiteRT
+interpreter) on real inputs and compares it with the model in float32::
+
+    result = kmp.export(model, "model.onnx", format="onnx", precision="float16",
+                        sample=x_test[:256], labels=y_test[:256])
+    result.max_abs_diff, result.top1_agreement, result.size_ratio
+
+Inputs and outputs stay float32 in every format and precision. A model trained under a
+mixed policy exports as it is: the reference and the exported weights come from a float32
+copy (or, for a 16-bit SavedModel, a copy loaded in that precision by
+:func:`kmp.load_model`). docs/exporting.md is the guide.
+"""
+
+from __future__ import annotations
+
+from kmp.exporting.export_plan import ExportPlan, plan_export
+from kmp.exporting.export_result import ExportResult
+from kmp.exporting.exporter import export
+
+__all__ = ["ExportPlan", "ExportResult", "export", "plan_export"]

@@ -1,0 +1,115 @@
+"""What :func:`kmp.export` wrote and what its verification measured: :class:`ExportResult`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["ExportResult"]
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """One export: the file, and how its outputs compare with the float32 Keras model's.
+
+    The measures are those of :mod:`kmp.exporting.comparison`, from running the file in
+    its own runtime on the inputs given to :func:`kmp.export`; they are None when the
+    export was not verified or the measure does not apply (top-1 agreement needs classes
+    on the outputs' last axis; accuracy and perplexity need labels).
+
+    Attributes:
+        path: The file, or the SavedModel folder.
+        format: ``"saved_model"``, ``"onnx"`` or ``"litert"``.
+        precision: The weights' dtype in the file.
+        runtime: What verified it (``"TensorFlow"``, ``"onnxruntime"``, ``"LiteRT"``), or
+            None when not verified.
+        size_bytes: The file's size (a folder's: all its files).
+        float32_size_bytes: The size of the same format's float32 export, where it was
+            measured (ONNX and LiteRT 16-bit exports; the float32 export's own size).
+        input_dtype: The input dtype the runtime reports.
+        output_dtype: The output dtype the runtime reports.
+        samples: How many inputs were compared.
+        max_abs_diff: Largest absolute output difference from float32 Keras.
+        max_rel_diff: Largest relative output difference (see
+            :mod:`kmp.exporting.comparison` for its floor).
+        top1_agreement: Share of rows (tokens) whose highest class agrees.
+        accuracy: The file's accuracy on the labels (classifiers).
+        float32_accuracy: Float32 Keras's accuracy on them.
+        perplexity: The labels' perplexity under the file (language models).
+        float32_perplexity: Their perplexity under float32 Keras.
+        perplexity_diff: ``|perplexity - float32_perplexity| / float32_perplexity``.
+    """
+
+    path: str
+    format: str
+    precision: str
+    runtime: str | None
+    size_bytes: int
+    float32_size_bytes: int | None = None
+    input_dtype: str | None = None
+    output_dtype: str | None = None
+    samples: int | None = None
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    top1_agreement: float | None = None
+    accuracy: float | None = None
+    float32_accuracy: float | None = None
+    perplexity: float | None = None
+    float32_perplexity: float | None = None
+    perplexity_diff: float | None = None
+
+    @property
+    def size_ratio(self) -> float | None:
+        """``size_bytes / float32_size_bytes``, or None where the latter was not measured."""
+        if not self.float32_size_bytes:
+            return None
+        return self.size_bytes / self.float32_size_bytes
+
+    @property
+    def verified(self) -> bool:
+        """Whether the file was run in its runtime and compared."""
+        return self.runtime is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, and ``size_ratio``, as plain Python values (JSON-ready)."""
+        return {**dataclasses.asdict(self), "size_ratio": self.size_ratio}
+
+    def __str__(self) -> str:
+        head = f"kmp.export: {self.path} ({self.format}, {self.precision} weights)"
+        size = _size(self.size_bytes)
+        if self.size_ratio is not None and self.precision != "float32":
+            size += f"  ({self.size_ratio:.3f} of float32's {_size(self.float32_size_bytes)})"
+        rows = [("file size", size)]
+        if not self.verified:
+            return "\n".join([head + ", not verified", *(f"  {k:<26}{v}" for k, v in rows)])
+        head += f", verified in {self.runtime} on {self.samples} inputs"
+        rows += [
+            ("inputs / outputs", f"{self.input_dtype} / {self.output_dtype}"),
+            ("largest abs. difference", f"{self.max_abs_diff:.3g}"),
+            ("largest rel. difference", f"{self.max_rel_diff:.3g}"),
+        ]
+        if self.top1_agreement is not None:
+            rows.append(("top-1 agreement", _pct(self.top1_agreement)))
+        if self.accuracy is not None:
+            rows.append(
+                ("accuracy", f"{_pct(self.accuracy)}  (float32 Keras: "
+                 f"{_pct(self.float32_accuracy)})")
+            )  # fmt: skip
+        if self.perplexity is not None:
+            rows.append(
+                ("perplexity", f"{self.perplexity:.4f}  (float32 Keras: "
+                 f"{self.float32_perplexity:.4f}; relative difference "
+                 f"{self.perplexity_diff:.2e})")
+            )  # fmt: skip
+        return "\n".join([head, *(f"  {k:<26}{v}" for k, v in rows)])

@@ -1,0 +1,223 @@
+"""``kmp.export``: write a model for serving, then run the file in its own runtime.
+
+The steps, in order, so that a bad request fails before anything is written and a failed
+export leaves nothing behind:
+
+1. :func:`kmp.exporting.export_plan.plan_export` checks the request and picks the route;
+2. the converter and runtime modules are imported (an ImportError names the install
+   command);
+3. the float32 reference is made (:mod:`kmp.exporting.keras_copies`) and run on the
+   sample;
+4. the file is written into a temporary folder beside ``path`` by the format's route;
+5. it is run in its runtime on the sample and compared (:mod:`kmp.exporting.comparison`);
+6. it is moved to ``path`` (an old one, with ``overwrite=True``, is removed only then).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import keras
+import numpy as np
+
+from kmp._checks import check_bool
+from kmp._imports import SERVE_INSTALL, optional_import
+from kmp.exporting.comparison import compare
+from kmp.exporting.export_plan import ExportPlan, plan_export
+from kmp.exporting.export_result import ExportResult
+from kmp.exporting.keras_copies import ModelCopies, input_spec, prepare_inputs
+from kmp.layer_walk import walk
+
+__all__ = ["export", "require_modules"]
+
+
+def require_modules(plan: ExportPlan) -> None:
+    """Import every module ``plan`` needs, or raise an ImportError naming the install command.
+
+    Args:
+        plan: The export's plan (its ``modules``).
+
+    Raises:
+        ImportError: A converter or runtime is not installed.
+    """
+    for module, purpose in plan.modules:
+        try:
+            optional_import(module, feature=f"kmp.export ({purpose})")
+        except ImportError as exc:
+            if module == "tensorflow":
+                raise
+            raise ImportError(
+                f"kmp.export(format={plan.format!r}) needs `{module}` for {purpose}, and it "
+                f"is not installed. Install the export converters and runtimes with: "
+                f"{SERVE_INSTALL}"
+            ) from exc
+
+
+def _size(path: str) -> int:
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(
+        os.path.getsize(os.path.join(folder, name))
+        for folder, _, names in os.walk(path)
+        for name in names
+    )
+
+
+def _write(plan: ExportPlan, model: keras.Model, target: str, spec: tuple) -> int | None:
+    """Write the file by the plan's route; return the float32 file's size where measured."""
+    layers = {v.path: type(v.layer).__name__ for v in walk(model, inputs=False)}
+    half = plan.half_pass is not None
+    if plan.format == "onnx":
+        from kmp.exporting.onnx_route import write_onnx
+
+        return write_onnx(model, target, spec, layers, half)
+    if plan.format == "litert":
+        from kmp.exporting.litert_route import write_litert
+
+        return write_litert(model, target, spec, layers, half)
+    from kmp.exporting.saved_model_route import write_saved_model
+
+    write_saved_model(model, target, spec)
+    return None
+
+
+def _run(plan: ExportPlan, target: str, inputs: np.ndarray) -> tuple[np.ndarray, str, str]:
+    if plan.format == "onnx":
+        from kmp.exporting.onnx_route import run_onnx as run
+    elif plan.format == "litert":
+        from kmp.exporting.litert_route import run_litert as run
+    else:
+        from kmp.exporting.saved_model_route import run_saved_model as run
+    try:
+        return run(target, inputs)
+    except Exception as exc:
+        raise RuntimeError(
+            f"kmp.export: {plan.runtime} could not run the {plan.format} file it wrote "
+            f"({type(exc).__name__}: {exc}); nothing was written to {plan.path!r}."
+        ) from exc
+
+
+def _move_into_place(staged: str, path: str, staging: str) -> None:
+    if os.path.lexists(path):  # overwrite=True: the old one goes only now
+        os.replace(path, os.path.join(staging, ".replaced"))
+    os.replace(staged, path)
+
+
+def _one_output(outputs: Any) -> np.ndarray:
+    if isinstance(outputs, dict | list | tuple):
+        if len(outputs) != 1:
+            raise ValueError(
+                f"kmp.export handles models with one output; this one returns "
+                f"{len(outputs)}. Wrap it in a model that returns one tensor."
+            )
+        outputs = next(iter(outputs.values())) if isinstance(outputs, dict) else outputs[0]
+    return np.asarray(keras.ops.convert_to_numpy(outputs))
+
+
+def export(
+    model: keras.Model,
+    path: str | os.PathLike,
+    format: str = "saved_model",
+    precision: str = "float32",
+    *,
+    sample: Any = None,
+    labels: Any = None,
+    overwrite: bool = False,
+    verify: bool = True,
+    verbose: bool = True,
+) -> ExportResult:
+    """Export ``model`` for serving, then verify the file in its own runtime.
+
+    The file is checked against the model **in float32** (a model trained or loaded in
+    16 bits is copied to float32 first; the model passed is never changed): it is run in
+    TensorFlow, onnxruntime or the LiteRT interpreter on ``sample``, and the result
+    says how far its outputs are. docs/exporting.md is the guide, with measured figures.
+
+    Args:
+        model: A Keras model with one input and one output (any policy).
+        path: A folder for ``"saved_model"``; a ``.onnx`` or ``.tflite`` file otherwise.
+            It must not exist, unless ``overwrite=True``.
+        format: ``"saved_model"`` (TensorFlow SavedModel), ``"onnx"`` or ``"litert"``
+            (``"tf_saved_model"`` and ``"tflite"`` are accepted too).
+        precision: The weights' dtype in the file: ``"float32"``, ``"float16"``, or
+            ``"bfloat16"`` (SavedModel only). Inputs and outputs stay float32.
+        sample: A batch of real inputs (a NumPy array or tensor), run through the file
+            and the float32 model; needed to verify.
+        labels: Optional class indices (or one-hot labels) for ``sample``: adds the
+            accuracy (classifier outputs ``[batch, classes]``) or the perplexity
+            (language-model outputs ``[batch, sequence, vocabulary]``).
+        overwrite: Replace an existing ``path`` (once the new export is verified).
+        verify: Run the file and compare it (True), or only write it.
+        verbose: Print the result.
+
+    Returns:
+        The :class:`ExportResult`: the file, its size, and the measured differences.
+
+    Raises:
+        TypeError: ``model`` is not a Keras model, or an argument has the wrong type.
+        ValueError: An unknown format or precision; bfloat16 for ONNX or LiteRT; a path
+            that exists (without ``overwrite=True``) or does not suit the format; no
+            ``sample`` to verify with; a model with several inputs or outputs; a layer
+            the format cannot hold (the message names it).
+        ImportError: The format's converter or runtime is not installed (the message
+            gives the install command).
+        RuntimeError: Not under the TensorFlow backend, or the runtime could not run
+            the written file.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"kmp.export needs a keras.Model; got {type(model).__name__}.")
+    exists = isinstance(path, str | os.PathLike) and os.path.lexists(os.fspath(path))
+    plan = plan_export(
+        format,
+        precision,
+        path,
+        overwrite=overwrite,
+        verify=verify,
+        backend=keras.backend.backend(),
+        exists=exists,
+    )
+    if verify and sample is None:
+        raise ValueError(
+            "kmp.export verifies the file on real inputs: pass sample= (a batch of them, "
+            "e.g. x_test[:256]), or verify=False to only write it."
+        )
+    verbose = check_bool("verbose", verbose)
+    require_modules(plan)
+    parent = os.path.dirname(os.path.abspath(plan.path))
+    os.makedirs(parent, exist_ok=True)
+    with ModelCopies(model) as copies:
+        reference = copies.in_policy("float32")
+        spec = input_spec(reference, sample)
+        if verify:
+            inputs = prepare_inputs(sample, spec[1])
+            expected = _one_output(reference(inputs, training=False))
+        staging = tempfile.mkdtemp(prefix=".kmp-export-", dir=parent)
+        try:
+            staged = os.path.join(staging, os.path.basename(plan.path.rstrip(os.sep)))
+            float32_size = _write(plan, copies.in_policy(plan.keras_policy), staged, spec)
+            size = _size(staged)
+            if plan.precision == "float32":
+                float32_size = size
+            fields: dict[str, Any] = {}
+            if verify:
+                outputs, in_dtype, out_dtype = _run(plan, staged, inputs)
+                measured = compare(expected, outputs, labels)
+                fields = {**vars(measured), "input_dtype": in_dtype, "output_dtype": out_dtype}
+            _move_into_place(staged, plan.path, staging)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    result = ExportResult(
+        path=plan.path,
+        format=plan.format,
+        precision=plan.precision,
+        runtime=plan.runtime if verify else None,
+        size_bytes=size,
+        float32_size_bytes=float32_size,
+        **fields,
+    )
+    if verbose:
+        print(result)
+    return result
