@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import keras
 
-__all__ = ["Visit", "sublayers", "walk"]
+__all__ = ["Visit", "calls_replaced", "sublayers", "walk"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,3 +95,33 @@ def walk(root: Any, *, inputs: bool = True) -> Iterator[Visit]:
                 yield from visit(subs, f"{path}/", inner)
 
     yield from visit(sublayers(root), "", ())
+
+
+@contextlib.contextmanager
+def calls_replaced(
+    layers: Iterable[keras.layers.Layer], replace: Callable[[keras.layers.Layer], Callable]
+) -> Iterator[None]:
+    """Give each layer the ``call`` that ``replace(layer)`` returns, on the instance, for a while.
+
+    How the probe and ``kmp.quantize`` see every call of chosen layers inside one run of a
+    model: the replacement (which usually calls the layer's own ``call``) is set on the
+    instance, and on exit each layer gets back exactly what it had (its class's ``call``,
+    or a ``call`` set on the instance before).
+
+    Args:
+        layers: The layers.
+        replace: Given a layer, the callable to use as its ``call``.
+    """
+    replaced: list[tuple[keras.layers.Layer, Any]] = []
+    try:
+        for layer in layers:
+            own = layer.__dict__.get("call")
+            object.__setattr__(layer, "call", replace(layer))
+            replaced.append((layer, own))
+        yield
+    finally:
+        for layer, own in replaced:
+            if own is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", own)

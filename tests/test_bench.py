@@ -478,7 +478,8 @@ def test_inference_judges_speed_quality_and_size_from_its_rows():
             ],
         },
     ]
-    result = {"machine": {"avx512_bf16": True, "gpus": []}, "models": models}
+    result = {"backend": "tensorflow", "machine": {"avx512_bf16": True, "gpus": []}}
+    result["models"] = models
     result["ratios"] = inference.ratios(models)
     assert result["ratios"]["gpt"] == {"float32": 1.0, "bfloat16": 1.6, "int8": 1.2}
     judged = {t["name"]: t for t in inference.targets(result)}
@@ -486,7 +487,7 @@ def test_inference_judges_speed_quality_and_size_from_its_rows():
     speed = judged["inference, bfloat16 vs float32 throughput, gpt"]
     assert (speed["value"], speed["met"]) == (1.6, True)
     int8 = judged["inference, int8 vs float32 throughput, gpt"]
-    assert (int8["value"], int8["met"]) == (1.2, False) and int8["why"]
+    assert (int8["value"], int8["met"]) == (1.2, False) and "Eigen" in int8["why"]
     ppl = judged["inference, int8 perplexity vs float32, gpt"]
     assert ppl["met"] is False and ppl["value"] == pytest.approx(0.05)
     agree = judged["inference, bfloat16 top-1 agreement with float32, digits_cnn"]

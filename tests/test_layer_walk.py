@@ -2,9 +2,10 @@
 
 import keras
 import numpy as np
+import pytest
 
 import kmp
-from kmp.layer_walk import sublayers, walk
+from kmp.layer_walk import calls_replaced, sublayers, walk
 from tests.test_float32_layers import ATTENTION, attention_model, batch
 from tests.test_layers import GPU_HW
 
@@ -67,3 +68,26 @@ def test_audit_probe_and_keep_float32_name_layers_alike():
     assert probed and set(probed) <= set(paths)
     for name in reversed(probed):  # inner layers first: each is still 16-bit when kept
         assert kmp.keep_float32(model, name)[0] == name
+
+
+def test_calls_replaced_sees_every_call_and_gives_back_what_each_layer_had():
+    dense, norm = keras.layers.Dense(3, name="d"), keras.layers.LayerNormalization(name="n")
+    model = keras.Sequential([keras.Input((4,)), dense, norm])
+    own = norm.call  # a call already set on the instance must come back as it was
+    object.__setattr__(norm, "call", own)
+    seen = []
+
+    def replace(layer):
+        original = layer.call
+        return lambda *args, **kwargs: seen.append(layer.name) or original(*args, **kwargs)
+
+    x = np.ones((2, 4), "float32")
+    with calls_replaced([dense, norm], replace):
+        model(x)
+    assert seen == ["d", "n"]
+    assert "call" not in dense.__dict__ and norm.__dict__["call"] is own
+    model(x)
+    assert seen == ["d", "n"]
+    with pytest.raises(RuntimeError), calls_replaced([dense], replace):
+        raise RuntimeError("restored also when the run fails")
+    assert "call" not in dense.__dict__

@@ -23,7 +23,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from kmp.layer_walk import walk
+from kmp.layer_walk import calls_replaced, walk
 
 __all__ = ["Pass", "float32_pass", "probed_layers"]
 
@@ -111,21 +111,12 @@ def _float32_and_recorded(
     """Every layer in float32 with a recording ``call``; state and policies restored after."""
     policies = [(layer, layer.dtype_policy) for layer in [model, *layers]]
     state = [(v, np.array(v.numpy(), copy=True)) for v in model.non_trainable_variables]
-    wrapped = []
     try:
         for layer, _ in policies:
             layer.dtype_policy = keras.dtype_policies.DTypePolicy("float32")
-        for layer in layers:
-            own = layer.__dict__.get("call")
-            object.__setattr__(layer, "call", recorder.wrap(layer))
-            wrapped.append((layer, own))
-        yield
+        with calls_replaced(layers, recorder.wrap):
+            yield
     finally:
-        for layer, own in wrapped:
-            if own is None:
-                object.__delattr__(layer, "call")
-            else:
-                object.__setattr__(layer, "call", own)
         for layer, policy in policies:
             layer.dtype_policy = policy
         for variable, value in state:

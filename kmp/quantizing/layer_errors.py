@@ -20,6 +20,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from kmp.layer_walk import calls_replaced
 from kmp.quantizing.selection import KERAS_REFUSED, NOT_MEASURABLE
 
 __all__ = ["Call", "Measured", "measure", "outputs_of", "record_calls", "relative_error"]
@@ -95,7 +96,6 @@ def record_calls(
         calls in order; a layer the batch did not reach has none.
     """
     calls: dict[int, list[Call]] = {id(layer): [] for layer in layers}
-    wrapped: list[tuple[keras.layers.Layer, Any]] = []
 
     def wrap(layer: keras.layers.Layer) -> Callable:
         original = layer.call
@@ -108,18 +108,8 @@ def record_calls(
 
         return call
 
-    try:
-        for layer in layers:
-            own = layer.__dict__.get("call")
-            object.__setattr__(layer, "call", wrap(layer))
-            wrapped.append((layer, own))
+    with calls_replaced(layers, wrap):
         outputs = outputs_of(model, x)
-    finally:
-        for layer, own in wrapped:
-            if own is None:
-                object.__delattr__(layer, "call")
-            else:
-                object.__setattr__(layer, "call", own)
     return outputs, calls
 
 
