@@ -35,6 +35,7 @@ import keras
 from keras import ops
 
 from kmp import master_weights as _mw
+from kmp import xla
 from kmp.distributed import sparse
 
 __all__ = ["CompensatedUpdates"]
@@ -58,6 +59,11 @@ class CompensatedUpdates:
 
     def __init__(self, optimizer: Any, variables: list, setting: str, seed: int):
         self.optimizer = optimizer
+        # Each update's elementwise chain as one compiled computation (xla.fused).
+        self._kahan_add = xla.fused(_kahan_add)
+        self._stochastic_add = xla.fused(_stochastic_add)
+        self._nearest_add = xla.fused(_nearest_add)
+        self._stochastic = xla.fused(_stochastic_round)
         self.seed = int(seed)
         self.modes: dict[str, str] = {}  # variable path -> mode, for reports
         self._entries: dict[Any, tuple[str, int, Any]] = {}  # key -> (mode, index, buffer)
@@ -122,16 +128,13 @@ class CompensatedUpdates:
                     view = (variable, entry)
                 target, entry = view
                 value = self._dense(target, value)
-                if entry[0] == SLOT:  # the optimizer's own state: its new value, rounded
-                    exact = ops.cast(value, "float32")
-                    if sign is not None:
-                        exact = ops.add(ops.cast(target, "float32"), ops.multiply(exact, sign))
-                    return self._round_into(target, exact, entry)
-                if sign is None:  # set outright: the change from the current value
-                    delta = ops.subtract(ops.cast(value, "float32"), ops.cast(target, "float32"))
-                else:
-                    delta = ops.multiply(ops.cast(value, "float32"), sign)
-                return self._add(target, delta, entry)
+                if sign is not None:
+                    return self._add(target, value, sign, entry)
+                if entry[0] == SLOT:  # the optimizer's own state set outright: rounded
+                    return self._round_into(target, value, entry)
+                # A weight set outright: the change from its current value, by the rule.
+                delta = ops.subtract(ops.cast(value, "float32"), ops.cast(target, "float32"))
+                return self._add(target, delta, 1.0, entry)
 
             return assign
 
@@ -145,7 +148,7 @@ class CompensatedUpdates:
             )
             for v, entry in entries:
                 if entry is not None and opt._use_weight_decay(v):
-                    self._add(v, ops.negative(ops.multiply(ops.cast(v, "float32"), rate)), entry)
+                    self._add(v, ops.multiply(ops.cast(v, "float32"), rate), -1.0, entry)
 
         opt.update_step, opt._var_key = update_step, var_key
         opt.assign, opt.assign_add, opt.assign_sub = (
@@ -187,26 +190,56 @@ class CompensatedUpdates:
         """A sparse update (``tf.IndexedSlices``) as a dense tensor of the weight's shape."""
         return sparse.densify(value, tuple(variable.shape)) if sparse.is_sparse(value) else value
 
-    def _add(self, variable: Any, delta: Any, entry: tuple[str, int, Any]) -> None:
-        """Add the float32 ``delta`` to the 16-bit ``variable`` by its mode."""
+    def _add(self, variable: Any, value: Any, scale: float, entry: tuple[str, int, Any]) -> None:
+        """Add ``value * scale`` (``scale`` is 1 or -1) to the 16-bit ``variable`` by its mode.
+
+        One compiled computation per update (:func:`kmp.xla.fused`): the sum, the rounding
+        and, for Kahan, the new compensation, in one pass over the weight.
+        """
         mode, _, buffer = entry
-        if mode != "kahan":
-            self._round_into(variable, ops.add(ops.cast(variable, "float32"), delta), entry)
-            return
-        new, owed = _mw.compensated_add(ops.convert_to_tensor(variable), buffer, delta)
-        self._keras_assign(buffer, owed)
+        if mode == "kahan":
+            new, owed = self._kahan_add(variable, buffer, value, scale)
+            self._keras_assign(buffer, owed)
+        elif mode in ("stochastic", SLOT):
+            new = self._stochastic_add(variable, value, scale, *self._bits_of(entry))
+        else:  # "none": round to nearest
+            new = self._nearest_add(variable, value, scale)
         self._keras_assign(variable, new)
         self._last = new
 
-    def _round_into(self, variable: Any, exact: Any, entry: tuple[str, int, Any]) -> None:
-        """Store float32 ``exact`` in the 16-bit ``variable``: stochastically, or to nearest."""
-        mode, index, _ = entry
-        if mode in ("stochastic", SLOT):
-            bits = _mw.random_bits(
-                tuple(variable.shape), self.seed, self.optimizer.iterations, index
-            )
-            new = _mw.stochastic_round(exact, bits)
-        else:  # "none": round to nearest
-            new = ops.cast(exact, variable.dtype)
+    def _round_into(self, variable: Any, value: Any, entry: tuple[str, int, Any]) -> None:
+        """Store ``value`` in the bfloat16 ``variable``, rounded stochastically."""
+        new = self._stochastic(value, *self._bits_of(entry))
         self._keras_assign(variable, new)
         self._last = new
+
+    def _bits_of(self, entry: tuple[str, int, Any]) -> tuple[Any, Any]:
+        """The ``(key, step)`` of a variable's random bits this step."""
+        key = ops.convert_to_tensor(_mw.rounding_key(self.seed, entry[1]), "int32")
+        return key, self.optimizer.iterations
+
+
+def _exact_sum(base: Any, value: Any, scale: Any) -> Any:
+    return ops.add(ops.cast(base, "float32"), ops.multiply(ops.cast(value, "float32"), scale))
+
+
+def _kahan_add(weight: Any, compensation: Any, value: Any, scale: Any) -> tuple[Any, Any]:
+    """:func:`kmp.master_weights.compensated_add` of ``value * scale``."""
+    delta = ops.multiply(ops.cast(value, "float32"), scale)
+    return _mw.compensated_add(weight, compensation, delta)
+
+
+def _stochastic_add(base: Any, value: Any, scale: Any, key: Any, step: Any) -> Any:
+    """``base + value * scale``, rounded stochastically to bfloat16."""
+    return _stochastic_round(_exact_sum(base, value, scale), key, step)
+
+
+def _nearest_add(base: Any, value: Any, scale: Any) -> Any:
+    """``base + value * scale``, rounded to nearest in ``base``'s dtype."""
+    return ops.cast(_exact_sum(base, value, scale), base.dtype)
+
+
+def _stochastic_round(exact: Any, key: Any, step: Any) -> Any:
+    """``exact`` rounded stochastically to bfloat16 with the bits of ``(key, step)``."""
+    bits = _mw.keyed_random_bits(tuple(exact.shape), key, step)
+    return _mw.stochastic_round(ops.cast(exact, "float32"), bits)

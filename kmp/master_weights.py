@@ -35,7 +35,14 @@ from keras import ops
 from kmp import _checks
 from kmp._names import LOW_FLOATS, MASTER_WEIGHTS
 
-__all__ = ["compensated_add", "random_bits", "state_bytes", "stochastic_round"]
+__all__ = [
+    "compensated_add",
+    "keyed_random_bits",
+    "random_bits",
+    "rounding_key",
+    "state_bytes",
+    "stochastic_round",
+]
 
 DEFAULT_MASTER_WEIGHTS = "auto"
 DEFAULT_ROUNDING_SEED = 0
@@ -149,6 +156,33 @@ def _mix(h: Any) -> Any:
     return ops.bitwise_xor(h, _shift_right(h, 16))
 
 
+def rounding_key(seed: int, index: int) -> int:
+    """The key of weight ``index``'s random bits in a run seeded ``seed`` (an int32 value).
+
+    Args:
+        seed: The run's rounding seed.
+        index: The weight's position among the optimizer's variables.
+    """
+    return _as_int32(seed * 0x9E3779B1 + index * 0x7FEB352D)
+
+
+def keyed_random_bits(shape: tuple[int, ...], key: Any, step: Any) -> Any:
+    """:func:`random_bits` from a :func:`rounding_key` (an int, or an int32 tensor).
+
+    Args:
+        shape: The weight's shape.
+        key: ``rounding_key(seed, index)``.
+        step: The optimizer step (a scalar tensor or int).
+    """
+    key = _mix(ops.add(ops.multiply(ops.cast(step, "int32"), _as_int32(0x27D4EB2F)), key))
+    size = 1
+    for d in shape:
+        size *= int(d)
+    counter = ops.reshape(ops.arange(size, dtype="int32"), shape)
+    h = _mix(ops.bitwise_xor(ops.multiply(counter, _as_int32(0x9E3779B1)), key))
+    return _shift_right(h, 16)
+
+
 def random_bits(shape: tuple[int, ...], seed: int, step: Any, index: int) -> Any:
     """16 random bits per element, a pure function of its arguments (int32 in ``[0, 2**16)``).
 
@@ -161,14 +195,7 @@ def random_bits(shape: tuple[int, ...], seed: int, step: Any, index: int) -> Any
         step: The optimizer step (a scalar tensor or int).
         index: The weight's position among the optimizer's variables.
     """
-    key = _as_int32(seed * 0x9E3779B1 + index * 0x7FEB352D)
-    key = _mix(ops.add(ops.multiply(ops.cast(step, "int32"), _as_int32(0x27D4EB2F)), key))
-    size = 1
-    for d in shape:
-        size *= int(d)
-    counter = ops.reshape(ops.arange(size, dtype="int32"), shape)
-    h = _mix(ops.bitwise_xor(ops.multiply(counter, _as_int32(0x9E3779B1)), key))
-    return _shift_right(h, 16)
+    return keyed_random_bits(shape, rounding_key(seed, index), step)
 
 
 def stochastic_round(exact: Any, bits: Any) -> Any:

@@ -84,7 +84,14 @@ FACES: dict[str, set[str]] = {
         "verbosity",
     },
     "kmp.loss_scale": {"LossScale", "ScaleState", "update"},
-    "kmp.master_weights": {"compensated_add", "random_bits", "state_bytes", "stochastic_round"},
+    "kmp.master_weights": {
+        "compensated_add",
+        "keyed_random_bits",
+        "random_bits",
+        "rounding_key",
+        "state_bytes",
+        "stochastic_round",
+    },
     "kmp.gpu": {"GPUConfig", "GPUConfigurationError", "configure_gpus"},
     "kmp.policy": {
         "PolicyChoice",
@@ -127,7 +134,7 @@ FACES: dict[str, set[str]] = {
     "kmp.saving": {"load_model", "read_state", "save_model"},
     "kmp.exporting": {"ExportPlan", "ExportResult", "export", "plan_export"},
     "kmp.quantizing": {"LayerOutcome", "QuantizeReport", "quantize"},
-    "kmp.xla": {"jit_gradients", "step_jit_compile"},
+    "kmp.xla": {"fused", "jit_gradients", "step_jit_compile"},
 }
 # Packages whose ``__init__`` only gathers a face: every public name in them that is not a
 # submodule is listed in ``__all__`` (``dir()`` shows no internal).

@@ -97,3 +97,25 @@ def test_step_jit_compile_is_one_rule_per_backend():
     assert step_jit_compile() is (keras.backend.backend() == "jax")
     with pytest.raises(TypeError, match="backend name"):
         step_jit_compile(3)
+
+
+def test_fused_gives_the_functions_result_compiled_into_one_xla_call():
+    import tensorflow as tf
+
+    from kmp.xla import fused
+
+    add_twice = fused(lambda a, b, scale: keras.ops.add(keras.ops.multiply(a, scale), b))
+    weight = keras.Variable(np.ones(4, "float32"))  # variables are read, not traced by identity
+    out = add_twice(weight, np.arange(4, dtype="float32"), -2.0)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(out), [-2.0, -1.0, 0.0, 1.0])
+    graph = (
+        tf.function(lambda x: add_twice(x, x, 1.0))
+        .get_concrete_function(tf.TensorSpec([4], tf.float32))
+        .graph
+    )
+    compiled = [
+        op
+        for op in graph.get_operations()
+        if "_XlaMustCompile" in op.node_def.attr and op.node_def.attr["_XlaMustCompile"].b
+    ]
+    assert len(compiled) == 1  # one call, compiled whole, inside the caller's graph
