@@ -171,10 +171,15 @@ def run_part(part: Part, out_dir: Path, env: dict[str, str], bench_dir: Path) ->
 
 
 def find_result(out_dir: Path, stem: str, since: float = 0.0) -> Path | None:
-    """Return the newest ``STEM.json`` / ``STEM_quick.json`` written at or after ``since``."""
+    """Return the newest ``STEM.json`` / ``STEM_quick.json`` written at or after ``since``.
+
+    ``STEM_jax.json`` (``_quick`` too) counts as well: ``inference.py`` names its file by
+    the backend it ran on, and ``KERAS_BACKEND=jax kmp bench`` runs it on JAX.
+    """
+    names = [f"{stem}{backend}{quick}.json" for backend in ("", "_jax") for quick in ("", "_quick")]
     found = [
         p
-        for p in (out_dir / f"{stem}_quick.json", out_dir / f"{stem}.json")
+        for p in (out_dir / name for name in names)
         if p.is_file() and p.stat().st_mtime >= since - 1.0
     ]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None

@@ -103,7 +103,7 @@ log "plan: $PLAN"
 
 if [ "${KMP_SETUP_FORCE:-0}" = 1 ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$(want_stamp)" ]; then
   t0=$SECONDS
-  log "installing $TF_REQ and the pinned packages (requirements.txt, requirements-docs.txt)"
+  log "installing $TF_REQ and the pinned packages (requirements*.txt)"
   pip_q install -q --disable-pip-version-check --upgrade pip==25.0.1
   # tensorflow-cpu and tensorflow both provide the `tensorflow` package: keep only the plan's.
   other=tensorflow-cpu; case "$TF_REQ" in tensorflow-cpu*) other=tensorflow;; esac

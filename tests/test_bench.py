@@ -145,6 +145,14 @@ def test_plan_passes_the_options_to_each_script():
     assert "--model" in parts["memory"].argv
 
 
+def test_find_result_takes_a_part_written_on_the_jax_backend(tmp_path):
+    suite = _load("suite")
+    assert suite.find_result(tmp_path, "inference") is None
+    (tmp_path / "inference_jax.json").write_text("{}")  # KERAS_BACKEND=jax kmp bench
+    assert suite.find_result(tmp_path, "inference").name == "inference_jax.json"
+    assert suite.find_result(tmp_path, "numerics") is None
+
+
 def test_plan_quick_keeps_everything_tiny_and_every_model_reaches_the_policies():
     suite = _load("suite")
     quick = {p.name: p for p in suite.plan(_args(quick=True, only="policies,memory"))}
