@@ -37,6 +37,7 @@ __all__ = [
     "launched_coordinator",
     "launched_elastic",
     "launched_engine",
+    "launched_jax_step",
     "launched_jax_timeout",
     "launched_local_run_size",
     "launched_rank",
@@ -53,6 +54,10 @@ __all__ = [
 ENGINE_VAR = "KMP_ENGINE"
 COORDINATOR_VAR = "KMP_COORDINATOR"
 JAX_TIMEOUT_VAR = "KMP_JAX_TIMEOUT"
+# Which train step the JAX engine runs: kmp's (gradients reduced in one flat all-reduce,
+# kmp.distributed._jax_step) or Keras's own (XLA reduces each gradient), for comparison.
+JAX_STEP_VAR = "KMP_JAX_STEP"
+JAX_STEPS = ("flat", "keras")
 # Set by kmp's own local launcher (kmp.launching.local_run) for JAX-engine jobs:
 # rank, size, local rank, local size.
 LOCAL_RUN_VARS = ("KMP_RANK", "KMP_SIZE", "KMP_LOCAL_RANK", "KMP_LOCAL_SIZE")
@@ -297,6 +302,23 @@ def launched_jax_timeout(environ: Mapping[str, str] | None = None) -> int:
         hint="unset it (300 s), or give the seconds to wait for every process to join.",
     )
     return 300 if found is None else found
+
+
+def launched_jax_step(environ: Mapping[str, str] | None = None) -> str:
+    """Return the JAX engine's train step (``KMP_JAX_STEP``): ``"flat"`` (default) or ``"keras"``.
+
+    Raises:
+        ValueError: It is set to another value.
+    """
+    value = (os.environ if environ is None else environ).get(JAX_STEP_VAR, "").strip().lower()
+    if not value:
+        return JAX_STEPS[0]
+    if value not in JAX_STEPS:
+        raise ValueError(
+            f"{JAX_STEP_VAR}={value!r} is not one of {JAX_STEPS}: unset it for kmp's step "
+            "(one flat all-reduce per step), or set 'keras' for Keras's own."
+        )
+    return value
 
 
 def launcher_cross(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:

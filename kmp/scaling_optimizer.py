@@ -281,9 +281,9 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         """Functional :meth:`apply` for JAX: returns new variable values.
 
         On the JAX engine the gradients arrive averaged over every process
-        (Keras's ``DataParallel`` distribution computes them on the global
-        batch), so they are checked and applied as they are, and every process
-        takes the same skip decision.
+        (the engine's step reduces them: :mod:`kmp.distributed._jax_step`), so
+        they are checked and applied as they are, and every process takes the
+        same skip decision.
         """
         if not self.built:
             raise ValueError(

@@ -7,16 +7,15 @@ for CPU devices, and a Keras ``DataParallel`` distribution over every device
 of every process, and one random seed for all of them (Keras, Python and NumPy).
 A variable created under that distribution starts from process 0's value on every
 process (:func:`install_initial_values_hook`), as Horovod's initial broadcast gives, so a
-script that seeds each process differently after ``init()`` runs unchanged. Keras then
-computes each step's gradients over the global batch, so they are already averaged:
-kmp's optimizer does not reduce them again, and a non-finite gradient is seen by every
-process alike.
+script that seeds each process differently after ``init()`` runs unchanged. Each step's
+gradients arrive at kmp's optimizer averaged over every process (kmp's own step,
+:mod:`kmp.distributed._jax_step`, reduces them in one flat all-reduce; with
+``KMP_JAX_STEP=keras``, XLA inside Keras's step), so the optimizer does not reduce them
+again, and a non-finite gradient is seen by every process alike.
 
-The collectives here serve what the training loop needs outside the step
-(broadcasting the initial state, averaging metrics, gathering results). They
-move host values through ``jax.experimental.multihost_utils`` and return NumPy
-arrays; nothing here validates user arguments or handles the single-process
-case (:mod:`kmp.distributed.collectives` does).
+The collectives here serve the training loop outside the step (the initial state,
+metrics, results), through ``jax.experimental.multihost_utils``; nothing here checks
+user arguments or handles one process (:mod:`kmp.distributed.collectives` does).
 
 A script that joined the process group itself (``jax.distributed.initialize()``
 before kmp; :func:`script_joined` tells, without importing JAX) is adopted by
@@ -37,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from kmp.distributed import _jax_step
 from kmp.distributed.engines import Engine, Layout, Transport, layout
 
 __all__ = [
@@ -57,19 +57,12 @@ __all__ = [
     "start",
 ]
 
-# The one point of Keras kmp wraps (keras/src/backend/jax/core.py, Keras 3.15): every
-# variable created eagerly from a concrete value (an initializer's output, or a value)
-# passes through JaxVariable._initialize(self, value) before JAX lays it out over the
-# devices, where JAX checks that every process passes the same value.
+# A point of Keras kmp wraps (the other: _jax_step.HOOK_POINT), Keras 3.15: every variable
+# made eagerly from a value passes JaxVariable._initialize(self, value) before JAX lays it
+# out over the devices, where JAX checks that every process passes the same value.
 HOOK_POINT = ("keras.src.backend.jax.core", "JaxVariable", "_initialize", ("self", "value"))
 
-_REDUCE = {
-    "average": lambda a: a.mean(axis=0),
-    "sum": lambda a: a.sum(axis=0),
-    "min": lambda a: a.min(axis=0),
-    "max": lambda a: a.max(axis=0),
-    "product": lambda a: a.prod(axis=0),
-}
+_REDUCE = {"average": np.mean, "sum": np.sum, "min": np.min, "max": np.max, "product": np.prod}
 
 
 def start(
@@ -79,17 +72,16 @@ def start(
     *,
     timeout_s: int,
     local_device: int | None = None,
+    own_step: bool = True,
 ) -> None:
     """Join the JAX process group and set Keras's data-parallel distribution.
 
     Every process gets process 0's random seed (Keras, Python and NumPy), and
     every variable created under kmp's distribution (weights, optimizer slots,
     metrics, dropout's ``SeedGenerator`` state) starts from process 0's value:
-    kmp broadcasts it, one collective per variable, before JAX lays it out. So a
-    script that seeds each process differently (``keras.utils.set_random_seed(1000
-    + rank)``) builds the same model as under Horovod after the initial broadcast:
-    process 0's. Variables created inside :func:`alone` stay as this process made
-    them, and assigning a variable later (``load_weights``) is not changed.
+    kmp broadcasts it, one collective per variable, before JAX lays it out (a script
+    seeding each process differently builds process 0's model, as under Horovod).
+    Variables created inside :func:`alone`, or assigned later, are not changed.
 
     Args:
         coordinator: ``host:port`` of process 0's coordinator service.
@@ -99,6 +91,7 @@ def start(
         local_device: The one GPU this process takes when several processes
             share a host (its local rank); None: every local GPU (one process
             per host). CPU devices are not affected.
+        own_step: Train with kmp's step (:mod:`kmp.distributed._jax_step`), not Keras's.
 
     Raises:
         RuntimeError: The group did not form within ``timeout_s`` (a process did
@@ -109,7 +102,7 @@ def start(
     """
     import jax
 
-    install_initial_values_hook()
+    _install_hooks(own_step)
     _check_coordinator(coordinator, process_id, timeout_s)
     print(
         f"[kmp] process {process_id} of {num_processes} joins the JAX job at {coordinator}; "
@@ -147,19 +140,25 @@ def script_joined() -> bool:
     return bool(is_initialized is not None and is_initialized())
 
 
-def adopt() -> None:
+def adopt(own_step: bool = True) -> None:
     """Take over the process group the script joined itself: :func:`start` without joining.
 
     ``jax.distributed.initialize`` is not called again; the rest is
     :func:`start`'s: process 0's random seed everywhere, kmp's ``DataParallel``
-    distribution over every device of every process, and new variables from
-    process 0's values.
+    distribution over every device of every process, new variables from
+    process 0's values, and kmp's train step where ``own_step``.
 
     Raises:
         RuntimeError: This Keras lacks the hook point kmp needs (:data:`HOOK_POINT`).
     """
-    install_initial_values_hook()
+    _install_hooks(own_step)
     _distribute()
+
+
+def _install_hooks(own_step: bool) -> None:
+    install_initial_values_hook()
+    if own_step:
+        _jax_step.install(data_parallel_class())
 
 
 def _distribute() -> None:
@@ -283,11 +282,7 @@ def _from_process_0(value: Any) -> Any:
 
 
 def _check_coordinator(coordinator: str, process_id: int, timeout_s: int) -> None:
-    """Fail with a clear message where JAX would abort: a taken port, an unreachable coordinator.
-
-    Process 0 runs the coordinator service, so its port must be free there;
-    the other processes wait (up to ``timeout_s``) until it accepts connections.
-    """
+    """Fail clearly where JAX would abort: process 0's port taken, or not reached in time."""
     host, _, port_text = coordinator.rpartition(":")
     port = int(port_text)
     if process_id == 0:
@@ -318,9 +313,8 @@ def _check_coordinator(coordinator: str, process_id: int, timeout_s: int) -> Non
 class JaxEngine(Engine):
     """JAX's runtime, once :func:`start` has joined the process group.
 
-    Keras's ``DataParallel`` distribution averages the gradients inside the step,
-    so kmp's optimizer does not. The collectives move host values and return
-    NumPy arrays (no compression or buckets: they serve what runs outside the step).
+    The step averages the gradients, so kmp's optimizer does not; these collectives
+    serve what runs outside the step (host values in, NumPy arrays out).
 
     Args:
         local_rank: This process's rank on its host, as the launcher said, or None.
@@ -342,8 +336,9 @@ class JaxEngine(Engine):
         return layout(int(jax.process_index()), int(jax.process_count()), *self._place)
 
     def close(self) -> None:
-        """Put Keras's own variable initialisation back (:func:`remove_initial_values_hook`)."""
+        """Put Keras's own variable initialisation and train step back."""
         remove_initial_values_hook()
+        _jax_step.remove()
 
     def alone(self) -> contextlib.AbstractContextManager:
         """Lift Keras's distribution while this process works by itself (:func:`alone`)."""
@@ -415,7 +410,7 @@ def grouped_allreduce(tensors: Sequence[Any], op: str) -> list[np.ndarray]:
     for t in tensors:
         host = _host(t)
         stacked = _gather_stacked(host.astype(np.float32) if host.dtype.kind == "f" else host)
-        out.append(_REDUCE[op](stacked).astype(host.dtype))
+        out.append(_REDUCE[op](stacked, axis=0).astype(host.dtype))
     return out
 
 

@@ -187,7 +187,7 @@ def _adopt(chosen: str) -> Engine | None:
     if chosen == "horovod":
         return _horovod.adopt()
     if chosen == "jax" and _jax.script_joined():
-        _jax.adopt()
+        _jax.adopt(own_step=_env.launched_jax_step() == "flat")
         return _jax.JaxEngine(*_launcher_place())
     return None
 
@@ -258,6 +258,7 @@ def _start_jax(n: int) -> Engine:
         process_id,
         timeout_s=_env.launched_jax_timeout(),
         local_device=local_rank_ if shared else None,
+        own_step=_env.launched_jax_step() == "flat",
     )
     return _jax.JaxEngine(local_rank_, local_size_, _env.launcher_cross())
 

@@ -176,7 +176,7 @@ def script_jax(no_launcher, monkeypatch):
     monkeypatch.setattr(_jax, "start", _no_start)
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     adopted = []
-    monkeypatch.setattr(_jax, "adopt", lambda: adopted.append(True))
+    monkeypatch.setattr(_jax, "adopt", lambda own_step=True: adopted.append(own_step))
     return adopted
 
 

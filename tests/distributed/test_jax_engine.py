@@ -344,6 +344,8 @@ def test_two_jax_processes_end_identical_and_match_one_process(tmp_path):
         runs = [r["runs"][policy] for r in ranks]
         for run in runs:
             assert run["max_diff"] == 0.0 and run["finite"], (policy, run)
+            # kmp's step reduces every gradient, the loss and the metrics in one all-reduce
+            assert run.get("all_reduces", 1) == 1, (policy, run["all_reduces"])
         assert runs[0]["weights"] == runs[1]["weights"], policy
         if policy == "mixed_float16":  # process 1's overflow skips the step on both, per epoch
             assert [run["skipped"] for run in runs] == [2, 2]
@@ -356,6 +358,15 @@ def test_two_jax_processes_end_identical_and_match_one_process(tmp_path):
         diff = np.abs(np.array(ref["weights"]) - np.array(runs[0]["weights"])).max()
         assert diff < tolerance, (policy, diff)
         assert ref["skipped"] == runs[0]["skipped"], policy
+        # the logs are the global batch's: each process's metric sums added together
+        assert ref["accuracy"] == runs[0]["accuracy"], policy
+        assert np.allclose(ref["loss"], runs[0]["loss"], rtol=tolerance, equal_nan=True), policy
+    # BatchNormalization's moving statistics are averaged, Dropout's seed state kept:
+    # every weight, trainable or not, ends the same on both processes.
+    normalized = [r["runs"]["normalized"] for r in ranks]
+    assert [n["max_diff"] for n in normalized] == [0.0, 0.0]
+    assert normalized[0]["finite"] and normalized[0]["all_reduces"] == 1
+    assert ranks[0]["runs"]["float32"]["all_reduces"] == 1
     # Only the chief wrote checkpoints (float32's run), one per epoch.
     written = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert len([n for n in written if n.endswith(".keras")]) == 2, written

@@ -6,10 +6,13 @@ Usage: worker_jax_engine.py POLICIES MODE [CKPT_DIR]
   MODE "single": one process trains on the concatenated global batches (the reference).
 Under mixed_float16 the first batch of process 1 (and the same rows in "single") holds
 1e6, which overflows float16: every process must skip that step. CKPT_DIR: checkpoints of
-the first policy's run (the chief writes them).
+the first policy's run (the chief writes them). In "dist" mode a last run trains a model
+with BatchNormalization and Dropout, and every run reports how many all-reduces its
+compiled train step holds (kmp's step: one).
 """
 
 import os
+import re
 import sys
 
 import keras
@@ -63,19 +66,63 @@ def train(policy: str, ckpt: str | None) -> dict:
     history = model.fit(
         x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=callbacks
     )
-    flat = np.concatenate([np.asarray(w, "float64").ravel() for w in model.get_weights()])
-    gathered = np.asarray(kmp.distributed.allgather(flat[None]))
     return {
-        "max_diff": float(np.abs(gathered - gathered[0]).max()),
-        "weights": flat.tolist(),
+        **outcome(model, x[:batch], y[:batch], count=policy == "float32"),
         "skipped": int(opt.skipped_steps),
         "loss_scale": float(opt.loss_scale),
         "loss": [float(v) for v in history.history["loss"]],
-        "finite": bool(np.isfinite(flat).all()),
+        "accuracy": [float(v) for v in history.history["accuracy"]],
     }
 
 
+def outcome(model, x, y, count: bool = True) -> dict:
+    """The weights (non-trainable too), their spread over processes, the step's all-reduces."""
+    import jax
+    from keras.src.backend.jax.trainer import _distribute_data
+
+    flat = np.concatenate([np.asarray(w, "float64").ravel() for w in model.get_weights()])
+    gathered = np.asarray(kmp.distributed.allgather(flat[None]))
+    out = {
+        "max_diff": float(np.abs(gathered - gathered[0]).max()),
+        "weights": flat.tolist(),
+        "finite": bool(np.isfinite(flat).all()),
+    }
+    if not count:  # compiling the step again costs seconds
+        return out
+    state = model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+        purge_model_variables=False,
+    )
+    step = jax.jit(model.train_step).lower(state, _distribute_data((x, y, None)))
+    hlo = step.compile().as_text()  # after XLA's partitioning, where its all-reduces appear
+    return {**out, "all_reduces": len(re.findall(r"= [^=]*all-reduce(?:-start)?\(", hlo))}
+
+
+def train_normalized() -> dict:
+    """BatchNormalization's moving statistics and Dropout's seed under the engine's step."""
+    kmp.enable("mixed_float16")
+    x, y, batch = data("float32")
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(3, activation="softmax", dtype="float32"),
+        ]
+    )
+    model.compile(optimizer=kmp.wrap_optimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    targets = np.eye(3, dtype="float32")[y]
+    model.fit(x, targets, batch_size=batch, epochs=1, verbose=0)
+    return outcome(model, x[:batch], targets[:batch])
+
+
 runs = {p: train(p, CKPT if i == 0 else None) for i, p in enumerate(POLICIES)}
+if MODE == "dist":
+    runs["normalized"] = train_normalized()
 # The collectives outside the step, on this engine.
 obj = kmp.distributed.broadcast_object({"from": world.rank}, root=world.size - 1)
 summed = kmp.distributed.allreduce(np.array([world.rank + 1.0]), op="sum")
