@@ -47,6 +47,7 @@ sys.path.insert(0, str(HERE))
 
 import _common  # noqa: E402
 import models as bench_models  # noqa: E402
+from targets import part_target  # noqa: E402
 
 MODELS = ("digits_cnn", "mnist1d_cnn", "mlp", "resnet50", "gpt")
 PRECISIONS = ("float32", "bfloat16", "float16", "mixed_bfloat16", "int8")
@@ -235,21 +236,19 @@ def speed(name: str, model: Any, x1: np.ndarray, xb: np.ndarray, repeats: int) -
 
 def quality(name: str, outputs: np.ndarray, data: dict | None, reference: np.ndarray) -> dict:
     """Accuracy or perplexity on the held-out split; agreement with the float32 outputs."""
+    from kmp._outputs import accuracy, perplexity
+
     row = {
         "top1_agreement": float(np.mean(outputs.argmax(-1) == reference.argmax(-1))),
         "max_abs_diff": float(np.max(np.abs(outputs - reference))),
     }
     if data is None:
         return row
+    labels = data["y_test"][: len(outputs)]  # held_out's rows (the GPT: its windows)
     if name == "gpt":
-        logits = outputs.astype(np.float64)
-        logits -= logits.max(-1, keepdims=True)
-        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        targets = data["y_test"][: len(outputs), :, None].astype(int)  # held_out's windows
-        nll = -np.take_along_axis(logp, targets, -1).mean()
-        row["perplexity"] = float(np.exp(nll))
+        row["perplexity"] = perplexity(outputs, labels)
     else:
-        row["accuracy"] = float(np.mean(outputs.argmax(-1) == data["y_test"][: len(outputs)]))
+        row["accuracy"] = accuracy(outputs, labels)
     return row
 
 
@@ -349,42 +348,15 @@ def export_rows(name, path, data, sample, x_eval, reference, folder, args) -> li
 _SUFFIX = {"onnx": ".onnx", "litert": ".tflite"}
 
 
-class _OnnxRunner:
-    """One onnxruntime session, as a server keeps it."""
+def _runner(fmt: str, path: str) -> Any:
+    """The route's runner, opened once as a server keeps it (LiteRT on every core)."""
+    if fmt == "onnx":
+        from kmp.exporting.onnx_route import OnnxRunner
 
-    def __init__(self, path: str):
-        import onnxruntime
+        return OnnxRunner(path)
+    from kmp.exporting.litert_route import LiteRTRunner
 
-        self.session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-        self.input = self.session.get_inputs()[0].name
-
-    def predict_on_batch(self, x: np.ndarray) -> np.ndarray:
-        return self.session.run(None, {self.input: x})[0]
-
-
-class _LiteRTRunner:
-    """One LiteRT interpreter per batch size (resizing reallocates), all cores."""
-
-    def __init__(self, path: str):
-        self.path, self.interpreters = path, {}
-
-    def predict_on_batch(self, x: np.ndarray) -> np.ndarray:
-        from ai_edge_litert.interpreter import Interpreter
-
-        interpreter = self.interpreters.get(x.shape)
-        if interpreter is None:
-            interpreter = Interpreter(model_path=self.path, num_threads=os.cpu_count())
-            index = interpreter.get_input_details()[0]["index"]
-            interpreter.resize_tensor_input(index, x.shape)
-            interpreter.allocate_tensors()
-            self.interpreters[x.shape] = interpreter
-        interpreter.set_tensor(interpreter.get_input_details()[0]["index"], x)
-        interpreter.invoke()
-        return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
-
-
-def _runner(fmt: str, path: str):
-    return _OnnxRunner(path) if fmt == "onnx" else _LiteRTRunner(path)
+    return LiteRTRunner(path, num_threads=os.cpu_count())
 
 
 def speed_of_runner(runner, sample: np.ndarray, repeats: int) -> dict:
@@ -425,26 +397,15 @@ def _row(result: dict, model: str, precision: str) -> dict | None:
     return None
 
 
-def _target(name: str, goal: str, value: float | None, met: bool | None, measured: str, why=""):
-    return {
-        "name": name,
-        "goal": goal,
-        "value": value,
-        "met": met,
-        "measured": measured,
-        "why": why,
-    }
-
-
 def _speed_target(result: dict, model: str, precision: str, goal: float, why_slow: str) -> dict:
     name = f"inference, {precision} vs float32 throughput, {model}"
     ratio = result["ratios"].get(model, {}).get(precision)
     if ratio is None:
         row = _row(result, model, precision)
         measured = (row or {}).get("error", "not measured in this run")
-        return _target(name, f">= {goal:.2f}x", None, None, measured)
+        return part_target(name, f">= {goal:.2f}x", None, None, measured)
     met = ratio >= goal
-    return _target(
+    return part_target(
         name, f">= {goal:.2f}x", round(ratio, 3), met, f"{ratio:.2f}x", "" if met else why_slow
     )
 
@@ -454,9 +415,9 @@ def _quality_target(result: dict, model: str, precision: str) -> dict:
     if model == "gpt":
         name, goal = f"inference, {precision} perplexity vs float32, gpt", "within 2 %"
         if not base or not row or "perplexity" not in row:
-            return _target(name, goal, None, None, "not measured in this run")
+            return part_target(name, goal, None, None, "not measured in this run")
         change = row["perplexity"] / base["perplexity"] - 1
-        return _target(
+        return part_target(
             name,
             goal,
             round(change, 4),
@@ -466,23 +427,25 @@ def _quality_target(result: dict, model: str, precision: str) -> dict:
     if precision == "int8":
         name, goal = f"inference, int8 accuracy vs float32, {model}", "within 1 point"
         if not base or not row or "accuracy" not in row:
-            return _target(name, goal, None, None, "not measured in this run")
+            return part_target(name, goal, None, None, "not measured in this run")
         points = 100 * (row["accuracy"] - base["accuracy"])
-        return _target(name, goal, round(points, 2), abs(points) <= 1.0, f"{points:+.2f} points")
+        return part_target(
+            name, goal, round(points, 2), abs(points) <= 1.0, f"{points:+.2f} points"
+        )
     name, goal = f"inference, {precision} top-1 agreement with float32, {model}", ">= 99 %"
     if not row or "top1_agreement" not in row:
-        return _target(name, goal, None, None, "not measured in this run")
+        return part_target(name, goal, None, None, "not measured in this run")
     agree = row["top1_agreement"]
-    return _target(name, goal, agree, agree >= 0.99, f"{100 * agree:.1f} %")
+    return part_target(name, goal, agree, agree >= 0.99, f"{100 * agree:.1f} %")
 
 
 def _size_target(result: dict, model: str, fmt: str) -> dict:
     name, goal = f"inference, {fmt} float16 file size vs float32, {model}", "<= 0.52x"
     f32, f16 = _row(result, model, f"{fmt}-float32"), _row(result, model, f"{fmt}-float16")
     if not f32 or not f16 or "size_bytes" not in f32 or "size_bytes" not in f16:
-        return _target(name, goal, None, None, "not measured in this run")
+        return part_target(name, goal, None, None, "not measured in this run")
     ratio = f16["size_bytes"] / f32["size_bytes"]
-    return _target(name, goal, round(ratio, 3), ratio <= 0.52, f"{ratio:.3f}x")
+    return part_target(name, goal, round(ratio, 3), ratio <= 0.52, f"{ratio:.3f}x")
 
 
 def targets(result: dict) -> list[dict]:

@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import numerics  # noqa: E402  (beside this file)
+from targets import part_target  # noqa: E402
 
 MODES = ("kahan", "stochastic", "none")
 CONFIGS = tuple(f"bfloat16+{m}" for m in MODES)
@@ -87,27 +88,27 @@ def targets(table: dict, rows: list[dict]) -> list[dict]:
             name = f"{label}, bfloat16 + {mode} vs float32 {what} (mean of seeds)"
             goal = f"within {bound} {unit}"
             if fig is None or key not in fig:
-                out.append(numerics._target(name, goal, None, None, "not run"))
+                out.append(part_target(name, goal, None, None, "not run"))
                 continue
             d = fig[key]
             measured = fmt.format(
                 d=d, mean=fig["mean"], base=figs["float32"]["mean"], n=len(fig["values"])
             )
             why = "" if abs(d) <= bound else numerics._spread_note(figs, f"bfloat16+{mode}")
-            out.append(numerics._target(name, goal, round(d, 3), abs(d) <= bound, measured, why))
+            out.append(part_target(name, goal, round(d, 3), abs(d) <= bound, measured, why))
         none = figs.get("bfloat16+none")
         name = f"{label}, bfloat16 + none loses against kahan and stochastic"
         goal = "worse mean than both"
         better = [figs.get(f"bfloat16+{m}") for m in ("kahan", "stochastic")]
         if none is None or key not in none or None in better:
-            out.append(numerics._target(name, goal, None, None, "not run"))
+            out.append(part_target(name, goal, None, None, "not run"))
             continue
         higher_is_better = key == "delta_points"
         loses = all((none["mean"] < b["mean"]) == higher_is_better for b in better)
         measured = fmt.format(
             d=none[key], mean=none["mean"], base=figs["float32"]["mean"], n=len(none["values"])
         )
-        out.append(numerics._target(name, goal, round(none[key], 3), loses, measured))
+        out.append(part_target(name, goal, round(none[key], 3), loses, measured))
     mine = [r for r in rows if r["policy"].startswith("bfloat16+")]
     out.append(numerics.ranks_target(mine, "ranks' weights bit-identical after every bfloat16 run"))
     return out

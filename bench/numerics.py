@@ -36,6 +36,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from targets import part_target  # noqa: E402  (beside this file)
+
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 # workload -> (train.py model, metric, the run's extra arguments, the quick run's).
 WORKLOADS = {
@@ -201,17 +203,6 @@ def aggregate(rows: list[dict]) -> dict[str, dict[str, dict]]:
     return out
 
 
-def _target(name: str, goal: str, value, met, measured: str, why: str = "") -> dict:
-    return {
-        "name": name,
-        "goal": goal,
-        "value": value,
-        "met": met,
-        "measured": measured,
-        "why": why,
-    }
-
-
 def targets(table: dict, rows: list[dict]) -> list[dict]:
     """Judge issue 24's targets on this run's figures (a target not measured: met None)."""
     out = []
@@ -221,13 +212,13 @@ def targets(table: dict, rows: list[dict]) -> list[dict]:
             name = f"{label}, {policy} vs float32 {what} (mean of seeds)"
             goal = f"within {bound} {unit}"
             if fig is None or key not in fig:
-                out.append(_target(name, goal, None, None, "not run"))
+                out.append(part_target(name, goal, None, None, "not run"))
                 continue
             d = fig[key]
             base = table[workload]["float32"]["mean"]
             measured = fmt.format(d=d, mean=fig["mean"], base=base, n=len(fig["values"]))
             why = "" if abs(d) <= bound else _spread_note(table[workload], policy)
-            out.append(_target(name, goal, round(d, 3), abs(d) <= bound, measured, why))
+            out.append(part_target(name, goal, round(d, 3), abs(d) <= bound, measured, why))
     m1d = table.get("mnist1d") or {}
     name, goal = "MNIST-1D CNN test accuracy, every policy (mean of seeds)", f">= {PAPER_MNIST1D} %"
     if m1d:
@@ -235,9 +226,9 @@ def targets(table: dict, rows: list[dict]) -> list[dict]:
         low = m1d[worst]["mean"]
         measured = ", ".join(f"{p} {f['mean']:.2f} %" for p, f in m1d.items())
         why = "" if low >= PAPER_MNIST1D else _mnist1d_note(m1d)
-        out.append(_target(name, goal, round(low, 3), low >= PAPER_MNIST1D, measured, why))
+        out.append(part_target(name, goal, round(low, 3), low >= PAPER_MNIST1D, measured, why))
     else:
-        out.append(_target(name, goal, None, None, "not run"))
+        out.append(part_target(name, goal, None, None, "not run"))
     out.append(ranks_target(rows, "ranks' weights bit-identical after every run"))
     return out
 
@@ -245,7 +236,7 @@ def targets(table: dict, rows: list[dict]) -> list[dict]:
 def ranks_target(rows: list[dict], name: str) -> dict:
     """The ranks ended bit-identical in every one of ``rows``."""
     worst = max((r["weights_max_diff"] for r in rows), default=None)
-    return _target(
+    return part_target(
         name,
         "max diff 0",
         worst,

@@ -264,6 +264,32 @@ def target_gpu(results: dict) -> list[Target]:
     return [t]
 
 
+def part_target(
+    name: str, goal: str, value: Any, met: bool | None, measured: str, why: str = ""
+) -> dict:
+    """One target as a part that judges its own writes it into its JSON (``judged_by_part``).
+
+    Args:
+        name: What is judged.
+        goal: The goal, as text.
+        value: The figure judged (None: not measured).
+        met: Whether the goal was met (None: not measured).
+        measured: The figure as text, with what it was measured on.
+        why: Why the goal was missed, where it was.
+
+    Returns:
+        ``{name, goal, value, met, measured, why}``.
+    """
+    return {
+        "name": name,
+        "goal": goal,
+        "value": value,
+        "met": met,
+        "measured": measured,
+        "why": why,
+    }
+
+
 def judged_by_part(part: str):
     """Return the target function for a part that judges its own targets (peers, numerics).
 

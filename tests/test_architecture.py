@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp._legacy_keras",
             "kmp._launcher_env",
             "kmp._files",
+            "kmp._outputs",
             "kmp.hardware",
         ),
     ),

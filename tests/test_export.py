@@ -18,8 +18,9 @@ import pytest
 
 import kmp
 from kmp._imports import is_available
+from kmp._outputs import log_probabilities
 from kmp.exporting import export, plan_export
-from kmp.exporting.comparison import compare, log_probabilities
+from kmp.exporting.comparison import compare
 from kmp.exporting.unsupported import blame_layer, litert_failed_ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

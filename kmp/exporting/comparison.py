@@ -13,7 +13,8 @@ defined once and testable on made-up numbers:
 * with labels, a classifier's (rank 2) **accuracy** of both, and a language model's
   (rank 3, ``[batch, sequence, vocabulary]``) **perplexity** of the labels under both and
   its **relative difference** ``|exported - keras| / keras``. Outputs that are
-  probabilities (in [0, 1], summing to 1) are read as such, any others as logits.
+  probabilities (in [0, 1], summing to 1) are read as such, any others as logits
+  (:mod:`kmp._outputs` holds these rules, shared with ``kmp.quantize`` and the benchmark).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Comparison", "compare", "log_probabilities"]
+from kmp._outputs import accuracy, has_classes, perplexity
+
+__all__ = ["Comparison", "compare"]
 
 # A relative difference divides by at least this share of the largest |keras| output.
 RELATIVE_FLOOR = 1e-3
@@ -44,45 +47,19 @@ class Comparison:
     perplexity_diff: float | None = None
 
 
-def log_probabilities(outputs: np.ndarray) -> np.ndarray:
-    """Log-probabilities over the last axis: of probabilities as given, or of logits.
-
-    Args:
-        outputs: Probabilities (every value in [0, 1], each row summing to 1 within 1e-3)
-            or logits.
-
-    Returns:
-        float64 log-probabilities of the same shape.
-    """
-    x = np.asarray(outputs, dtype=np.float64)
-    sums = x.sum(axis=-1)
-    if x.min() >= 0.0 and x.max() <= 1.0 and np.allclose(sums, 1.0, atol=1e-3):
-        return np.log(np.clip(x, 1e-30, None))
-    shifted = x - x.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-
-def _class_labels(labels: Any, outputs: np.ndarray) -> np.ndarray:
-    y = np.asarray(labels)
-    if y.shape == outputs.shape:  # one-hot (or soft) targets
-        y = y.argmax(axis=-1)
-    if y.shape != outputs.shape[:-1]:
-        raise ValueError(
-            f"kmp.export: labels of shape {y.shape} do not fit outputs of shape "
-            f"{outputs.shape}: pass one class index per "
-            f"{'row' if outputs.ndim == 2 else 'token'} (shape {outputs.shape[:-1]}), or "
-            "one-hot labels of the outputs' shape."
-        )
-    if not np.issubdtype(y.dtype, np.integer):
-        if not np.all(np.equal(np.mod(y, 1), 0)):
-            raise ValueError("kmp.export: labels must be class indices (whole numbers).")
-        y = y.astype(np.int64)
-    return y
-
-
-def _perplexity(outputs: np.ndarray, labels: np.ndarray) -> float:
-    logp = np.take_along_axis(log_probabilities(outputs), labels[..., None], axis=-1)
-    return float(np.exp(-logp.mean()))
+def _labelled(ref: np.ndarray, got: np.ndarray, labels: Any) -> dict[str, float]:
+    """Accuracy (rank 2) or perplexity (rank 3) of both outputs on ``labels``."""
+    try:
+        if ref.ndim != 3:
+            return {"float32_accuracy": accuracy(ref, labels), "accuracy": accuracy(got, labels)}
+        ppl_ref, ppl_got = perplexity(ref, labels), perplexity(got, labels)
+    except ValueError as exc:
+        raise ValueError(f"kmp.export: {exc}") from None
+    return {
+        "float32_perplexity": ppl_ref,
+        "perplexity": ppl_got,
+        "perplexity_diff": abs(ppl_got - ppl_ref) / ppl_ref,
+    }
 
 
 def compare(reference: Any, exported: Any, labels: Any = None) -> Comparison:
@@ -116,19 +93,11 @@ def compare(reference: Any, exported: Any, labels: Any = None) -> Comparison:
         "max_abs_diff": float(diff.max()) if diff.size else 0.0,
         "max_rel_diff": float(rel.max()) if rel.size else 0.0,
     }
-    if ref.ndim >= 2 and ref.shape[-1] >= 2:
+    if has_classes(ref):
         same = ref.argmax(axis=-1) == got.argmax(axis=-1)
         fields["top1_agreement"] = float(same.mean())
         if labels is not None:
-            y = _class_labels(labels, ref)
-            if ref.ndim == 3:
-                ppl_ref, ppl_got = _perplexity(ref, y), _perplexity(got, y)
-                fields["float32_perplexity"] = ppl_ref
-                fields["perplexity"] = ppl_got
-                fields["perplexity_diff"] = abs(ppl_got - ppl_ref) / ppl_ref
-            else:
-                fields["float32_accuracy"] = float((ref.argmax(axis=-1) == y).mean())
-                fields["accuracy"] = float((got.argmax(axis=-1) == y).mean())
+            fields.update(_labelled(ref, got, labels))
     elif labels is not None:
         raise ValueError(
             f"kmp.export: labels were given, but the outputs (shape {ref.shape}) have no "

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kmp.exporting.comparison import Comparison
+
 __all__ = ["ExportResult"]
 
 
@@ -17,6 +19,18 @@ def _size(n: int) -> str:
 
 def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
+
+
+class _Measured:
+    """A read-only attribute read through to the result's :class:`Comparison` (None without)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, result: Any, owner: type | None = None) -> Any:
+        if result is None:
+            return self
+        return None if result.comparison is None else getattr(result.comparison, self.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +53,8 @@ class ExportResult:
             measured (ONNX and LiteRT 16-bit exports; the float32 export's own size).
         input_dtype: The input dtype the runtime reports.
         output_dtype: The output dtype the runtime reports.
+        comparison: What the verification measured, or None when not verified. Its
+            measures read through as attributes of their own (None when not verified):
         samples: How many inputs were compared.
         max_abs_diff: Largest absolute output difference from float32 Keras.
         max_rel_diff: Largest relative output difference (see
@@ -59,15 +75,17 @@ class ExportResult:
     float32_size_bytes: int | None = None
     input_dtype: str | None = None
     output_dtype: str | None = None
-    samples: int | None = None
-    max_abs_diff: float | None = None
-    max_rel_diff: float | None = None
-    top1_agreement: float | None = None
-    accuracy: float | None = None
-    float32_accuracy: float | None = None
-    perplexity: float | None = None
-    float32_perplexity: float | None = None
-    perplexity_diff: float | None = None
+    comparison: Comparison | None = None
+    # Comparison's fields, read through (not dataclass fields: no annotation).
+    samples = _Measured()
+    max_abs_diff = _Measured()
+    max_rel_diff = _Measured()
+    top1_agreement = _Measured()
+    accuracy = _Measured()
+    float32_accuracy = _Measured()
+    perplexity = _Measured()
+    float32_perplexity = _Measured()
+    perplexity_diff = _Measured()
 
     @property
     def size_ratio(self) -> float | None:
@@ -82,8 +100,15 @@ class ExportResult:
         return self.runtime is not None
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, and ``size_ratio``, as plain Python values (JSON-ready)."""
-        return {**dataclasses.asdict(self), "size_ratio": self.size_ratio}
+        """Every field, the comparison's measures and ``size_ratio``, as plain Python values.
+
+        The measures sit beside the other fields (None when not verified), so the dict is
+        flat and JSON-ready.
+        """
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del fields["comparison"]
+        measures = {f.name: getattr(self, f.name) for f in dataclasses.fields(Comparison)}
+        return {**fields, **measures, "size_ratio": self.size_ratio}
 
     def __str__(self) -> str:
         head = f"kmp.export: {self.path} ({self.format}, {self.precision} weights)"

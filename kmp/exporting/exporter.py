@@ -85,14 +85,16 @@ def _write(plan: ExportPlan, model: keras.Model, target: str, spec: tuple) -> in
 
 
 def _run(plan: ExportPlan, target: str, inputs: np.ndarray) -> tuple[np.ndarray, str, str]:
+    """Run the written file once in its runtime: ``(outputs, input dtype, output dtype)``."""
     if plan.format == "onnx":
-        from kmp.exporting.onnx_route import run_onnx as run
+        from kmp.exporting.onnx_route import OnnxRunner as Runner
     elif plan.format == "litert":
-        from kmp.exporting.litert_route import run_litert as run
+        from kmp.exporting.litert_route import LiteRTRunner as Runner
     else:
-        from kmp.exporting.saved_model_route import run_saved_model as run
+        from kmp.exporting.saved_model_route import SavedModelRunner as Runner
     try:
-        return run(target, inputs)
+        runner = Runner(target)
+        return runner.predict_on_batch(inputs), runner.input_dtype, runner.output_dtype
     except Exception as exc:
         raise RuntimeError(
             f"kmp.export: {plan.runtime} could not run the {plan.format} file it wrote "
@@ -201,11 +203,10 @@ def export(
             size = _size(staged)
             if plan.precision == "float32":
                 float32_size = size
-            fields: dict[str, Any] = {}
+            measured, in_dtype, out_dtype = None, None, None
             if verify:
                 outputs, in_dtype, out_dtype = _run(plan, staged, inputs)
                 measured = compare(expected, outputs, labels)
-                fields = {**vars(measured), "input_dtype": in_dtype, "output_dtype": out_dtype}
             _move_into_place(staged, plan.path, staging)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -216,7 +217,9 @@ def export(
         runtime=plan.runtime if verify else None,
         size_bytes=size,
         float32_size_bytes=float32_size,
-        **fields,
+        input_dtype=in_dtype,
+        output_dtype=out_dtype,
+        comparison=measured,
     )
     if verbose:
         print(result)

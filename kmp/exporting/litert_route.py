@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Any
 
 import keras
 import numpy as np
 
 from kmp.exporting.unsupported import litert_failed_ops, unsupported_error
 
-__all__ = ["run_litert", "write_litert"]
+__all__ = ["LiteRTRunner", "write_litert"]
 
 _ADVICE = (
     "Export it with format='saved_model' or 'onnx', or replace the layer with one built "
@@ -83,25 +84,57 @@ def write_litert(
         return os.path.getsize(float32_path)
 
 
-def run_litert(path: str, inputs: np.ndarray) -> tuple[np.ndarray, str, str]:
-    """Run the ``.tflite`` file at ``path`` in the LiteRT interpreter (ai-edge-litert).
+class LiteRTRunner:
+    """The LiteRT interpreter (ai-edge-litert) on one ``.tflite`` file, run on many batches.
 
-    Args:
-        path: The exported file (or folder).
-        inputs: The inputs, of the traced input's dtype.
+    Resizing an interpreter's input reallocates its tensors, so one interpreter is kept per
+    batch shape. ``kmp.export`` verifies the file with it; a server (bench/inference.py)
+    keeps one.
 
-    Returns:
-        ``(outputs, input dtype, output dtype)`` as the interpreter reports them.
+    Attributes:
+        input_dtype: The input dtype the interpreter reports.
+        output_dtype: The output dtype the interpreter reports.
     """
-    from ai_edge_litert.interpreter import Interpreter
 
-    interpreter = Interpreter(model_path=path)
-    (given,) = interpreter.get_input_details()
-    output = interpreter.get_output_details()[0]
-    feed = inputs.astype(given["dtype"], copy=False)
-    interpreter.resize_tensor_input(given["index"], feed.shape)
-    interpreter.allocate_tensors()
-    interpreter.set_tensor(given["index"], feed)
-    interpreter.invoke()
-    result = np.array(interpreter.get_tensor(output["index"]))
-    return result, np.dtype(given["dtype"]).name, np.dtype(output["dtype"]).name
+    def __init__(self, path: str, num_threads: int | None = None) -> None:
+        """Open the ``.tflite`` file at ``path``.
+
+        Args:
+            path: The exported file.
+            num_threads: The interpreter's threads; None leaves LiteRT's default.
+        """
+        from ai_edge_litert.interpreter import Interpreter
+
+        self._path, self._threads, self._interpreter_class = path, num_threads, Interpreter
+        first = self._open()
+        (given,) = first.get_input_details()
+        output = first.get_output_details()[0]
+        self._input, self._output, self._dtype = given["index"], output["index"], given["dtype"]
+        self.input_dtype: str = np.dtype(given["dtype"]).name
+        self.output_dtype: str = np.dtype(output["dtype"]).name
+        self._unsized: Any = first  # the first batch shape takes it
+        self._by_shape: dict[tuple[int, ...], Any] = {}
+
+    def _open(self) -> Any:
+        return self._interpreter_class(model_path=self._path, num_threads=self._threads)
+
+    def predict_on_batch(self, inputs: np.ndarray) -> np.ndarray:
+        """The file's outputs on ``inputs`` (cast to the input dtype).
+
+        Args:
+            inputs: A batch of inputs.
+
+        Returns:
+            The outputs, as the interpreter returns them.
+        """
+        feed = inputs.astype(self._dtype, copy=False)
+        interpreter = self._by_shape.get(feed.shape)
+        if interpreter is None:
+            interpreter = self._unsized if self._unsized is not None else self._open()
+            self._unsized = None
+            interpreter.resize_tensor_input(self._input, feed.shape)
+            interpreter.allocate_tensors()
+            self._by_shape[feed.shape] = interpreter
+        interpreter.set_tensor(self._input, feed)
+        interpreter.invoke()
+        return np.array(interpreter.get_tensor(self._output))

@@ -22,7 +22,7 @@ import numpy as np
 
 from kmp.exporting.unsupported import unsupported_error
 
-__all__ = ["run_onnx", "write_onnx"]
+__all__ = ["OnnxRunner", "write_onnx"]
 
 # The ONNX domains onnxruntime's standard kernels implement.
 _STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
@@ -113,22 +113,42 @@ def write_onnx(
     return float32_size
 
 
-def run_onnx(path: str, inputs: np.ndarray) -> tuple[np.ndarray, str, str]:
-    """Run the ONNX file at ``path`` in onnxruntime on the CPU.
+class OnnxRunner:
+    """One onnxruntime session on the CPU, opened once and run on any number of batches.
 
-    Args:
-        path: The exported file (or folder).
-        inputs: The inputs, of the traced input's dtype.
+    ``kmp.export`` verifies the file with it; a server (bench/inference.py) keeps one.
 
-    Returns:
-        ``(outputs, input dtype, output dtype)`` as onnxruntime reports them.
+    Attributes:
+        input_dtype: The input dtype onnxruntime reports.
+        output_dtype: The output dtype onnxruntime reports.
     """
-    import onnxruntime
 
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    (given,) = session.get_inputs()
-    output = session.get_outputs()[0]
-    in_dtype = _ONNX_DTYPES.get(given.type, given.type)
-    feed = inputs.astype(in_dtype, copy=False) if in_dtype in _ONNX_DTYPES.values() else inputs
-    (result,) = session.run([output.name], {given.name: feed})
-    return np.asarray(result), in_dtype, _ONNX_DTYPES.get(output.type, output.type)
+    def __init__(self, path: str) -> None:
+        """Open the ONNX file at ``path``.
+
+        Args:
+            path: The exported file.
+        """
+        import onnxruntime
+
+        self._session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+        (given,) = self._session.get_inputs()
+        output = self._session.get_outputs()[0]
+        self._input, self._output = given.name, output.name
+        self.input_dtype: str = _ONNX_DTYPES.get(given.type, given.type)
+        self.output_dtype: str = _ONNX_DTYPES.get(output.type, output.type)
+
+    def predict_on_batch(self, inputs: np.ndarray) -> np.ndarray:
+        """The file's outputs on ``inputs`` (cast to the input dtype where it is a float or int).
+
+        Args:
+            inputs: A batch of inputs.
+
+        Returns:
+            The outputs, as onnxruntime returns them.
+        """
+        feed = inputs
+        if self.input_dtype in _ONNX_DTYPES.values():
+            feed = inputs.astype(self.input_dtype, copy=False)
+        (result,) = self._session.run([self._output], {self._input: feed})
+        return np.asarray(result)

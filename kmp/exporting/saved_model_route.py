@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import numpy as np
 
-__all__ = ["SIGNATURE", "run_saved_model", "write_saved_model"]
+__all__ = ["SIGNATURE", "SavedModelRunner", "write_saved_model"]
 
 SIGNATURE = "serving_default"
 
@@ -61,21 +61,40 @@ def write_saved_model(model: keras.Model, path: str, spec: tuple[tuple, str]) ->
     archive.write_out(path, verbose=False)
 
 
-def run_saved_model(path: str, inputs: np.ndarray) -> tuple[np.ndarray, str, str]:
-    """Run the SavedModel at ``path`` in TensorFlow through its ``serving_default`` signature.
+class SavedModelRunner:
+    """A SavedModel loaded once in TensorFlow, run through its ``serving_default`` signature.
 
-    Args:
-        path: The exported file (or folder).
-        inputs: The inputs, of the traced input's dtype.
-
-    Returns:
-        ``(outputs, input dtype, output dtype)`` as TensorFlow reports them.
+    Attributes:
+        input_dtype: The input dtype of the signature.
+        output_dtype: The output dtype of the signature.
     """
-    import tensorflow as tf
 
-    loaded = tf.saved_model.load(path)
-    signature = loaded.signatures[SIGNATURE]
-    (name, spec), *_ = signature.structured_input_signature[1].items()
-    result = signature(**{name: tf.constant(inputs, dtype=spec.dtype)})
-    (output,) = result.values()
-    return output.numpy(), spec.dtype.name, output.dtype.name
+    def __init__(self, path: str) -> None:
+        """Load the SavedModel folder at ``path``.
+
+        Args:
+            path: The exported folder.
+        """
+        import tensorflow as tf
+
+        self._loaded = tf.saved_model.load(path)  # kept: the signature uses its variables
+        self._signature = self._loaded.signatures[SIGNATURE]
+        (self._name, spec), *_ = self._signature.structured_input_signature[1].items()
+        (output,) = self._signature.structured_outputs.values()
+        self._dtype = spec.dtype
+        self.input_dtype: str = spec.dtype.name
+        self.output_dtype: str = output.dtype.name
+
+    def predict_on_batch(self, inputs: np.ndarray) -> np.ndarray:
+        """The signature's output on ``inputs`` (as a tensor of the input dtype).
+
+        Args:
+            inputs: A batch of inputs.
+
+        Returns:
+            The output, as a NumPy array.
+        """
+        import tensorflow as tf
+
+        (output,) = self._signature(**{self._name: tf.constant(inputs, self._dtype)}).values()
+        return output.numpy()

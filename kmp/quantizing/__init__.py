@@ -30,6 +30,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from kmp._outputs import accuracy, has_classes
 from kmp.layer_walk import walk
 from kmp.quantizing import selection
 from kmp.quantizing.layer_errors import (
@@ -328,20 +329,9 @@ def _accuracy(outputs: list[np.ndarray], labels: np.ndarray | None) -> float | N
             f"labels work for a model with one output; this one has {len(outputs)}. "
             "Leave `labels` out (and pass `data` as x only) to measure the output error alone."
         )
-    if outputs[0].ndim == 0 or outputs[0].shape[-1] < 2:
+    if not has_classes(outputs[0]):
         raise ValueError(
             f"top-1 accuracy needs one output per class (last axis >= 2); the output's shape "
             f"is {outputs[0].shape}. Leave `labels` out to measure the output error alone."
         )
-    predicted = np.argmax(outputs[0], axis=-1)
-    if labels.shape == outputs[0].shape:
-        truth = np.argmax(labels, axis=-1)
-    elif labels.shape == predicted.shape or labels.reshape(-1).shape == predicted.reshape(-1).shape:
-        truth = labels.reshape(predicted.shape)
-    else:
-        raise ValueError(
-            f"labels of shape {labels.shape} do not fit outputs of shape {outputs[0].shape}: "
-            f"pass class ids of shape {predicted.shape} or one-hot labels of shape "
-            f"{outputs[0].shape}."
-        )
-    return float(np.mean(predicted == truth))
+    return accuracy(outputs[0], labels)
