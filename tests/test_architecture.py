@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp._launcher_env",
             "kmp._files",
             "kmp._outputs",
+            "kmp._keras_local",
             "kmp.hardware",
         ),
     ),

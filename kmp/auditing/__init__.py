@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import keras
 
+from kmp._keras_local import local_variables
 from kmp.auditing.facts import consumer_map, layer_facts, layer_row, model_output_layers
 from kmp.auditing.measured import MeasuredChecks
 from kmp.auditing.report import AuditReport, Finding, LayerRow, sort_findings
@@ -99,6 +100,12 @@ def audit(model: keras.Model) -> AuditReport:
         ValueError: The model is not built yet (call it on data or give it an
             input shape first).
     """
+    # The measured checks build throw-away layers; one process may audit alone (rank 0).
+    with local_variables():
+        return _audit(model)
+
+
+def _audit(model: keras.Model) -> AuditReport:
     if not isinstance(model, keras.Model):
         raise TypeError(f"kmp.audit expects a Keras model, got {type(model).__name__}.")
     if not model.built:

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from kmp._keras_local import local_variables
 from kmp.distributed import _jax_step
 from kmp.distributed.engines import Engine, Layout, Transport, layout
 
@@ -376,14 +377,8 @@ def alone() -> Iterator[None]:
     model alone (Keras builds a throw-away optimizer while saving) would wait
     for the others. Inside this block new variables stay on this process.
     """
-    import keras
-
-    current = keras.distribution.distribution()
-    keras.distribution.set_distribution(None)
-    try:
+    with local_variables():
         yield
-    finally:
-        keras.distribution.set_distribution(current)
 
 
 def barrier() -> None:
