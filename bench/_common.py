@@ -23,14 +23,29 @@ def horovod_launcher(python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", MODULE]
 
 
+# The CPU flags that decide 16-bit and int8 speed, as /proc/cpuinfo names them.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """Which of :data:`CPU_FLAGS` this CPU has (empty where /proc/cpuinfo is not there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            present = set(f.read().split())
+    except OSError:
+        return []
+    return [flag for flag in CPU_FLAGS if flag in present]
+
+
 def machine() -> dict:
-    """Facts about where a benchmark ran, stored next to its figures."""
+    """Facts about where a benchmark ran, stored next to its figures (the CPU's flags too)."""
     from kmp import hardware
 
     hw = hardware.detect()
     return {
         "cpu": hw.cpu.model,
         "cores": hw.cpu.cores,
+        "cpu_flags": cpu_flags(),
         "avx512_bf16": hw.cpu.avx512_bf16,
         "amx": hw.cpu.amx,
         "gpus": [g.name for g in hw.gpus],

@@ -479,20 +479,6 @@ def targets(result: dict) -> list[dict]:
     return out
 
 
-# The CPU flags that decide 16-bit and int8 speed, as /proc/cpuinfo names them.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8")
-
-
-def cpu_flags() -> list[str]:
-    """Which of :data:`CPU_FLAGS` this CPU has (empty where /proc/cpuinfo is not there)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            present = set(f.read().split())
-    except OSError:
-        return []
-    return [flag for flag in CPU_FLAGS if flag in present]
-
-
 def _machine_text(machine: dict) -> str:
     where = ", ".join(machine.get("gpus") or []) or f"{machine['cpu']} ({machine['cores']} cores)"
     if "cpu_flags" in machine:
@@ -555,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.train_policy == "auto":
         args.train_policy = policy.choose_policy(hardware.detect())[0]
-    machine = {**_common.machine(), "cpu_flags": cpu_flags()}
+    machine = _common.machine()
     print(f"inference: {keras.backend.backend()}, {_machine_text(machine)}")
     print(f"trained under {args.train_policy}")
     results = []

@@ -2,11 +2,13 @@
 
     .venv/bin/python bench/plot.py [bench/results]    # re-plot from the JSON files
 
-Four panels, each showing the goal as a dashed line: training throughput of
+Five panels, each showing the goal as a dashed line: training throughput of
 each policy relative to float32 (target 1.9x for "auto"); memory relative to
-float32 (target 0.6x); milliseconds per allreduce of one step's gradients,
-grouped vs one tensor at a time, with and without compression; weak-scaling
-efficiency and the wrapper's speed relative to Keras (targets 0.90 and 0.98).
+float32 (target 0.6x); the JAX engine's throughput relative to the Horovod
+engine's, with kmp's step and Keras's (target 0.9x); milliseconds per allreduce
+of one step's gradients, grouped vs one tensor at a time, with and without
+compression; weak-scaling efficiency and the wrapper's speed relative to Keras
+(targets 0.90 and 0.98).
 A panel whose benchmark did not run says so. Uses matplotlib's Agg backend (no
 display needed).
 """
@@ -129,12 +131,34 @@ def panel_scaling(ax, efficiencies: dict[str, float], overhead: dict | None) -> 
     ax.set_title(title + " (dashed: target)")
 
 
+def panel_engines(ax, res: dict | None) -> None:
+    title = "JAX engine vs the Horovod engine (2 processes)"
+    rows = (res or {}).get("runs") or []
+    hvd = {(r["model"], r["policy"]): r["rate"] for r in rows if r["engine"] == "horovod"}
+    groups = [k for k in hvd if hvd[k]]
+    if not groups:
+        return _empty(ax, title)
+    rate = {(r["model"], r["policy"], r["engine"]): r["rate"] for r in rows}
+    labels = {"jax": "kmp's step", "jax-keras": "Keras's step"}
+    series = {
+        labels[e]: [rate.get((*g, e), 0.0) / hvd[g] for g in groups]
+        for e in labels
+        if any((*g, e) in rate for g in groups)
+    }
+    _bars(ax, [f"{m}\n{p}" for m, p in groups], series)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(0.9, color="red", ls="--", lw=1, label="target (0.9x)")
+    ax.set_title(title)
+    ax.set_ylabel("x Horovod engine")
+    ax.legend(fontsize=7)
+
+
 def plot_summary(results: dict[str, Any], targets: list | None, path: Path) -> Path:
-    """Draw the four panels from the parts' results and save them as a PNG at ``path``.
+    """Draw the five panels from the parts' results and save them as a PNG at ``path``.
 
     Args:
         results: The parts' JSON payloads by part name (``policies``, ``memory``,
-            ``allreduce``, ``overhead``); missing parts give an empty panel.
+            ``allreduce``, ``overhead``, ``engines``); missing parts give an empty panel.
         targets: The judged targets (their count of met / missed goes in the title).
         path: Where to write the PNG.
 
@@ -147,11 +171,13 @@ def plot_summary(results: dict[str, Any], targets: list | None, path: Path) -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig, axes = plt.subplots(2, 3, figsize=(19, 9))
     panel_policies(axes[0][0], results.get("policies"))
     panel_memory(axes[0][1], results.get("memory"))
+    panel_engines(axes[0][2], results.get("engines"))
     panel_allreduce(axes[1][0], allreduce_figures(results.get("allreduce")))
     panel_scaling(axes[1][1], efficiencies(results.get("allreduce")), results.get("overhead"))
+    axes[1][2].axis("off")
     title = "kmp benchmarks"
     if targets:
         met = sum(1 for t in targets if t.passed)
@@ -170,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     folder = Path(argv[0]) if argv else Path(__file__).resolve().parent / "results"
     results = {}
-    for name in ("policies", "memory", "allreduce", "overhead"):
+    for name in ("policies", "memory", "allreduce", "overhead", "engines"):
         for stem in (name, f"{name}_quick"):
             if (folder / f"{stem}.json").is_file():
                 results[name] = json.loads((folder / f"{stem}.json").read_text())

@@ -38,6 +38,7 @@ RESULT_NAMES = {
     "peers": "peers",
     "numerics": "numerics",
     "inference": "inference",
+    "engines": "engines",
 }
 # Environment variables that would change what a benchmark measures.
 _SCRUBBED_ENV = ("KMP_POLICY",)
@@ -106,6 +107,8 @@ def plan(args: argparse.Namespace) -> list[Part]:
                 argv += ["--quick", "--models", "digits_cnn,mlp,gpt"]
                 argv += ["--precisions", "float32,bfloat16,int8"]
             parts.append(Part(name, "inference.py", tuple(argv)))
+        elif name == "engines":  # the digits CNN and the GPT on both engines, 2 processes
+            parts.append(Part(name, "engines.py", ("--quick",) if quick else ()))
         else:
             raise ValueError(f"unknown benchmark part {name!r}")
     return parts

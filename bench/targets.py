@@ -318,6 +318,7 @@ def judged_by_part(part: str):
 target_peers = judged_by_part("peers")
 target_numerics = judged_by_part("numerics")
 target_inference = judged_by_part("inference")
+target_engines = judged_by_part("engines")
 
 
 TARGETS = (
@@ -330,6 +331,7 @@ TARGETS = (
     target_gpu,
     target_numerics,
     target_inference,
+    target_engines,
 )
 
 

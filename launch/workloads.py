@@ -220,6 +220,7 @@ def lm_metrics(model, name: str, dataset, kmp) -> dict:
     compiled = keras.distribution.distribution() is None
     total = count = 0.0
     for tokens, targets in model_inputs(name, dataset):
+        tokens = keras.tree.map_structure(np.asarray, tokens)  # the JAX backend takes no tf.Tensor
         out = model.predict_on_batch(tokens) if compiled else model(tokens, training=False)
         logits = keras.ops.cast(out, "float32")
         nll = keras.losses.sparse_categorical_crossentropy(targets, logits, from_logits=True)

@@ -130,13 +130,15 @@ def test_plan_passes_the_options_to_each_script():
         "peers",
         "numerics",
         "inference",
+        "engines",
     ]
+    assert parts["engines"].argv == ()  # its own jobs: the digits CNN and the GPT
     assert parts["peers"].argv == ()  # its own models and sizes (the digits CNN, wide_mlp)
     assert parts["numerics"].argv == ()  # its own workloads (digits, MNIST-1D, the GPT)
     assert parts["inference"].argv == ("--exports",)  # its own models, trained then served
     for name, part in parts.items():
         assert (BENCH / part.script).name == f"{name}.py"
-        if name in ("peers", "numerics", "inference"):
+        if name in ("peers", "numerics", "inference", "engines"):
             continue
         argv = list(part.argv)
         assert argv[argv.index("--steps") + 1] == "7"
@@ -388,6 +390,12 @@ def test_plot_writes_a_png_with_or_without_results(tmp_path):
     bench_targets, plot = _load("targets"), _load("plot")
     res = _results()
     res["memory"]["policies"]["float32"] = {"activation_vs_float32": 1.0}
+    res["engines"] = {
+        "runs": [
+            {"model": "gpt", "policy": "float32", "engine": e, "rate": r}
+            for e, r in (("horovod", 100.0), ("jax", 95.0), ("jax-keras", 40.0))
+        ]
+    }
     full = plot.plot_summary(res, bench_targets.judge(res), tmp_path / "full.png")
     empty = plot.plot_summary({}, [], tmp_path / "empty.png")
     for path in (full, empty):
@@ -686,13 +694,13 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
         assert fig["step_bytes"] > 0
     assert memory["policies"]["mixed_float16"]["activation_vs_float32"] < 1.0
     targets = {t["name"]: t for t in summary["targets"]}
-    assert len(targets) == 31
+    assert len(targets) == 32
     measured = [t for t in targets.values() if t["result"] != "not run"]
     # All but the GPU one and the two of the links (not in --quick); of the numerics, the
     # GPT under mixed_float16 and the ranks' weights (the quick run has only those); of
     # inference's, those of the digits CNN, the MLP and the GPT in bfloat16 and int8 (not
-    # ResNet50's or MNIST-1D's) and both exports' sizes.
-    assert len(measured) == 19, [t["name"] for t in measured]
+    # ResNet50's or MNIST-1D's) and both exports' sizes; the engines' on the digits CNN.
+    assert len(measured) == 20, [t["name"] for t in measured]
     peers = json.loads((out / summary["parts"]["peers"]["result_file"]).read_text())
     jobs = peers["local"]["jobs"]
     assert not peers["local"]["errors"]
@@ -824,22 +832,42 @@ def test_peer_targets_without_a_cluster_say_why():
     assert all(t["measured"] == "not root: kmp cluster needs root" for t in links)
 
 
-def test_engines_table_puts_both_engines_side_by_side():
+def test_engines_table_and_target_put_every_engine_beside_horovod():
     engines = _load("engines")
 
-    def row(engine, policy, ips, skipped=0):
-        return {"engine": engine, "policy": policy, "weights_max_diff": 0.0,
-                "skipped_steps": skipped, "test_accuracy": 0.96, "images_per_sec": ips}  # fmt: skip
+    def row(model, engine, policy, rate, skipped=0):
+        return {"model": model, "engine": engine, "policy": policy, "weights_max_diff": 0.0,
+                "skipped_steps": skipped, "quality": 0.96, "rate": rate,
+                "unit": "tokens/s" if model == "gpt" else "images/s"}  # fmt: skip
 
-    md = engines.table(
-        [row("horovod", "mixed_float16", 1000.0, 1), row("jax", "mixed_float16", 250.0, 1),
-         row("horovod", "float32", 2000.0), row("jax", "float32", 500.0)]
-    )  # fmt: skip
-    lines = md.splitlines()
-    assert lines[0].startswith("| policy | engine | weights max diff | skipped steps |")
-    assert lines[2].startswith("| float32 | horovod | 0 | 0 | 0.9600 | 2000 |")  # policy order
-    assert lines[3].endswith("| 500 | 0.25x |")
-    assert lines[5] == "| mixed_float16 | jax | 0 | 1 | 0.9600 | 250 | 0.25x |"
+    rows = [
+        row("digits_cnn", "horovod", "float32", 2000.0),
+        row("digits_cnn", "jax", "float32", 2400.0),
+        row("digits_cnn", "jax-keras", "float32", 500.0),
+        row("gpt", "horovod", "mixed_float16", 1000.0, 1),
+        row("gpt", "jax", "mixed_float16", 850.0, 1),
+    ]
+    lines = engines.table(rows).splitlines()
+    assert lines[0].startswith("| model | policy | engine | weights max diff | skipped steps |")
+    assert lines[2] == "| digits_cnn | float32 | horovod | 0 | 0 | 0.9600 | 2000 images/s |  |"
+    assert lines[3].endswith("| 2400 images/s | 1.20x |")
+    assert lines[4].endswith("| 500 images/s | 0.25x |")
+    assert lines[6] == "| gpt | mixed_float16 | jax | 0 | 1 | 0.9600 | 850 tokens/s | 0.85x |"
+    # The target reads kmp's step ("jax"), not Keras's ("jax-keras"), per model.
+    judged = engines.targets(rows)
+    assert [(t["name"], t["value"], t["met"]) for t in judged] == [
+        ("JAX engine against the Horovod engine, digits_cnn", 1.2, True),
+        ("JAX engine against the Horovod engine, gpt", 0.85, False),
+    ]
+    assert engines.verdict(rows)[1] == (
+        "- JAX engine against the Horovod engine, gpt (>= 0.9x under every policy): **MISSED**, "
+        "0.85x (lowest under mixed_float16; mixed_float16 0.85x)"
+    )
+    machine = {"cpu": "EPYC", "cores": 2, "cpu_flags": ["avx2", "avx512_bf16"], "date": "d"}
+    md = engines.render({"machine": machine, "np": 2, "epochs": 6, "runs": rows,
+                         "not_run": ["gpt mixed_float16 on jax: why"]})  # fmt: skip
+    assert md.startswith("2 processes on EPYC (2 cores; avx2 avx512_bf16), d.")
+    assert md.endswith("- not run: gpt mixed_float16 on jax: why")
 
 
 def test_engine_profile_splits_the_jax_engines_step():

@@ -213,6 +213,21 @@ def test_gpt_two_ranks_reports_nats_bits_per_byte_and_tokens_per_sec(tmp_path):
 
 
 @pytest.mark.slow
+def test_gpt_on_the_jax_backend_is_evaluated(tmp_path):
+    # The validation pass feeds the JAX backend's predict_on_batch arrays, not tf.Tensors.
+    summary = tmp_path / "gpt.json"
+    launch = [sys.executable, "-m", "kmp.cli", "launch", "--engine", "jax", "-np", "1"]
+    _run(
+        [*launch, str(TRAIN), "--model", "gpt", "--policy", "mixed_bfloat16", "--seq-len", "16",
+         "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "2", "--summary", str(summary)],
+        tmp_path,
+    )  # fmt: skip
+    s = json.loads(summary.read_text())
+    assert s["jit_compile"] is True and s["iterations_end"] == 2  # True: the JAX backend
+    assert 0 < s["val_loss_nats"] < math.log(256) and s["val_bytes"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.distributed
 @requires_horovod
 def test_mnist1d_cnn_two_ranks_learns(tmp_path):

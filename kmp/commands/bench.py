@@ -30,7 +30,10 @@ started as a child process of this one):
 * ``inference``: latency and throughput of serving the trained digits CNN, MNIST-1D CNN,
   a Dense-heavy MLP, the GPT (tokens/s of generation) and ResNet50 in float32, bfloat16,
   float16, mixed_bfloat16 and int8 and through each ``kmp.export`` runtime, beside their
-  accuracy or perplexity (``bench/inference.py``).
+  accuracy or perplexity (``bench/inference.py``);
+* ``engines``: the digits CNN and the byte-level GPT on 2 processes under each policy, on
+  the Horovod engine, the JAX engine with kmp's step and with Keras's own
+  (``bench/engines.py``; ``--quick``: the digits CNN, float32, 1 epoch, two engines).
 
 Each part writes ``NAME.json`` and ``NAME.md`` into the output folder; then
 ``summary.json``, ``summary.md`` (each target, the measured figure, met or
@@ -56,7 +59,7 @@ from kmp.commands import command_main
 
 __all__ = ["ALIASES", "MODELS", "PARTS", "configure", "find_bench_dir", "main", "run"]
 
-PARTS = ("policies", "overhead", "allreduce", "memory", "peers", "numerics", "inference")
+PARTS = ("policies", "overhead", "allreduce", "memory", "peers", "numerics", "inference", "engines")
 # Other names accepted by --only, and the part that measures them.
 ALIASES = {"scaling": "allreduce", "weak_scaling": "allreduce", "policy": "policies"}
 # The models of bench/models.py, repeated so that the parser needs no import of bench/.
