@@ -52,7 +52,7 @@ def panel_policies(ax, res: dict | None) -> None:
     series = {
         p: [models[m][p]["vs_float32"] for m in names]
         for p in POLICY_ORDER
-        if all(p in models[m] for m in names)
+        if all("vs_float32" in models[m].get(p, {}) for m in names)  # not a failed policy
     }
     _bars(ax, names, series)
     ax.axhline(1.0, color="black", lw=0.8)

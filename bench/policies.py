@@ -4,14 +4,15 @@
         [--rounds 3] [--quick]
 
 For each model of ``models.py`` named in ``--models`` (default: the small CNN
-and the MLP), every policy (float32, mixed_bfloat16, mixed_float16 and "auto")
-trains the same architecture, compiled the kmp way (``kmp.float32_outputs``
-and ``kmp.wrap_optimizer(SGD)``, so float16 gets its dynamic loss scaling), on
-the same batch with ``model.train_on_batch`` for at least ``--steps`` steps and
-``--min-seconds`` seconds. The policies are interleaved over ``--rounds`` rounds
-(see :func:`round_order`) and the best round counts, so a noisy neighbour hurts
-all of them alike. Writes ``bench/results/policies.json`` and
-``policies.md``.
+and the MLP; the token models such as ``gpt`` too), every policy (float32,
+mixed_bfloat16, mixed_float16 and "auto") trains the same architecture, compiled
+the kmp way (``kmp.float32_outputs`` and ``kmp.wrap_optimizer(SGD)``, so float16
+gets its dynamic loss scaling), on the same batch with ``model.train_on_batch``
+for at least ``--steps`` steps and ``--min-seconds`` seconds. The policies are
+interleaved over ``--rounds`` rounds (see :func:`round_order`) and the best round
+counts, so a noisy neighbour hurts all of them alike. Writes
+``bench/results/policies.json`` and ``policies.md`` (``policies_jax.*`` with
+``KERAS_BACKEND=jax``).
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps, --rounds and --batch must be >= 1 and --min-seconds >= 0")
 
     names = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in names if m not in models.MODELS]
+    known = (*models.MODELS, *models.TOKEN_MODELS)
+    unknown = [m for m in names if m not in known]
     if unknown or not names:
-        parser.error(f"--models {args.models!r}: use names from {', '.join(models.MODELS)}")
+        parser.error(f"--models {args.models!r}: use names from {', '.join(known)}")
     results: dict = {
         "machine": machine(),
         "steps": args.steps,
@@ -120,25 +122,40 @@ def main(argv: list[str] | None = None) -> int:
     for model_name in names:
         best: dict[str, float] = {}
         resolved: dict[str, str] = {}
+        failed: dict[str, str] = {}
         for r in range(args.rounds):
             for policy in round_order(r):
-                rate, name = time_policy(
-                    model_name, policy, args.steps, args.batch, args.min_seconds
-                )
+                if policy in failed:
+                    continue
+                try:
+                    rate, name = time_policy(
+                        model_name, policy, args.steps, args.batch, args.min_seconds
+                    )
+                except ValueError as exc:  # e.g. XLA:CPU refusing a float16 product (JAX)
+                    failed[policy] = str(exc).splitlines()[0]
+                    continue
                 best[policy] = max(best.get(policy, 0.0), rate)
                 resolved[policy] = name
         base = best["float32"]
-        fastest = max(best[p] for p in POLICIES if p != "auto")
+        fastest = max(best[p] for p in POLICIES if p != "auto" and p in best)
         results["models"][model_name] = {
-            p: {
-                "examples_per_s": round(best[p], 1),
-                "vs_float32": round(best[p] / base, 3),
-                "policy": resolved[p],
-            }
+            p: (
+                {
+                    "examples_per_s": round(best[p], 1),
+                    "vs_float32": round(best[p] / base, 3),
+                    "policy": resolved[p],
+                }
+                if p in best
+                else {"failed": failed[p]}
+            )
             for p in POLICIES
         }
-        results["models"][model_name]["auto_vs_fastest"] = round(best["auto"] / fastest, 3)
+        auto = best.get("auto")
+        results["models"][model_name]["auto_vs_fastest"] = auto and round(auto / fastest, 3)
         for p in POLICIES:
+            if p not in best:
+                rows.append([model_name, p, f"failed: {failed[p]}", "-"])
+                continue
             label = f"auto ({resolved[p]})" if p == "auto" else p
             rows.append([model_name, label, f"{best[p]:.0f}", f"{best[p] / base:.2f}"])
     md = markdown_table(["model", "policy", "examples/s", "vs float32"], rows)
@@ -152,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         + f"; batch {args.batch}, at least {args.steps} steps and {args.min_seconds:g} s per "
         f"measurement, best of {args.rounds} interleaved rounds (order varied)."
     )
-    path = write_results("policies" + ("_quick" if args.quick else ""), results, md)
+    import keras
+
+    results["backend"] = keras.backend.backend()
+    md += f" Keras backend: {results['backend']}."
+    name = "policies" + ("" if results["backend"] == "tensorflow" else f"_{results['backend']}")
+    path = write_results(name + ("_quick" if args.quick else ""), results, md)
     print(md)
     print(f"\nwritten: {path}")
     return 0

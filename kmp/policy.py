@@ -63,15 +63,19 @@ def _choice(policy: keras.DTypePolicy, reason: str) -> PolicyChoice:
     )
 
 
-def choose_policy(hw: _hw.Hardware) -> tuple[str, str]:
-    """Return the policy name that "auto" picks for ``hw``, and the reason.
+def choose_policy(hw: _hw.Hardware, backend: str = "tensorflow") -> tuple[str, str]:
+    """Return the policy name that "auto" picks for ``hw`` and Keras ``backend``, and why.
 
     The rule: bfloat16 where it is fast (NVIDIA compute capability >= 8.0, TPUs,
-    CPUs with AVX512_BF16 or AMX); float16 on GPUs with tensor cores but no fast
-    bfloat16 (compute capability 7.x); float32 elsewhere. Never float16 on a CPU.
+    CPUs with AVX512_BF16 or AMX under TensorFlow, whose oneDNN kernels use them);
+    float16 on GPUs with tensor cores but no fast bfloat16 (compute capability 7.x);
+    float32 elsewhere, a CPU on the JAX backend included (XLA:CPU trained the MLP at
+    0.71x and the digits CNN at 0.72x of float32 under mixed_bfloat16 on an AVX512_BF16
+    CPU, where TensorFlow gains 1.55x; docs/benchmarks.md). Never float16 on a CPU.
 
     Args:
         hw: The machine, e.g. ``kmp.hardware.detect()``.
+        backend: The Keras backend the model will run on.
 
     Returns:
         ``(policy_name, reason)``.
@@ -94,6 +98,12 @@ def choose_policy(hw: _hw.Hardware) -> tuple[str, str]:
                 "bfloat16: float16 with dynamic loss scaling",
             )
         return "float32", f"{gpu.name} (compute capability {cc}) has no tensor cores"
+    if hw.cpu.fast_bfloat16 and backend == "jax":
+        return (
+            "float32",
+            "CPU on the JAX backend: XLA:CPU runs bfloat16 matrix products slower than "
+            "float32 (measured 0.71-0.72x); TensorFlow's oneDNN kernels gain from them",
+        )
     if hw.cpu.fast_bfloat16:
         flags = ", ".join(
             f for f, on in (("avx512_bf16", hw.cpu.avx512_bf16), ("AMX", hw.cpu.amx)) if on
@@ -120,7 +130,8 @@ def resolve_policy(policy: str | keras.DTypePolicy, hw: _hw.Hardware | None) -> 
         )
     name = normalize_policy(policy)
     if name == "auto":
-        name, reason = choose_policy(hw if hw is not None else _hw.detect())
+        hw = hw if hw is not None else _hw.detect()
+        name, reason = choose_policy(hw, keras.backend.backend())
         return _choice(keras.DTypePolicy(name), f"auto: {reason}")
     return _choice(keras.DTypePolicy(name), "requested")
 

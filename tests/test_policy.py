@@ -41,6 +41,16 @@ def test_auto_rule_for_described_hardware(hw, expected):
     assert choice.reason.startswith("auto:")
 
 
+def test_auto_keeps_float32_for_a_bfloat16_cpu_on_the_jax_backend():
+    # XLA:CPU's bfloat16 products are slower than float32 there; a GPU or TPU still decides.
+    name, reason = policy.choose_policy(BF16_CPU, "jax")
+    assert name == "float32" and "JAX backend" in reason
+    assert policy.choose_policy(AMX_CPU, "jax")[0] == "float32"
+    assert policy.choose_policy(gpu((8, 0)), "jax")[0] == "mixed_bfloat16"
+    assert policy.choose_policy(Hardware(tpu=True), "jax")[0] == "mixed_bfloat16"
+    assert policy.choose_policy(BF16_CPU, "tensorflow")[0] == "mixed_bfloat16"
+
+
 def test_auto_never_float16_on_cpu():
     for cpu in (CPU(), CPU(avx512_fp16=True), CPU(avx512_bf16=True, avx512_fp16=True)):
         assert policy.choose_policy(Hardware(cpu=cpu))[0] != "mixed_float16"

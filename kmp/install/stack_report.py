@@ -95,7 +95,7 @@ def collect() -> dict:
     from kmp.policy import choose_policy
 
     hw = hardware.detect()
-    auto, reason = choose_policy(hw)
+    auto, reason = choose_policy(hw, keras.backend.backend())
     tf_build = _tensorflow_facts()  # the one reader of which TensorFlow wheel is installed
     info = {
         "kmp": __version__,
