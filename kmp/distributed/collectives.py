@@ -125,9 +125,9 @@ def check_averaging_runtime(world_size: int) -> None:
 def gradients_need_allreduce() -> bool:
     """True when kmp's optimizer must average the gradients itself (several Horovod ranks).
 
-    In a world of one there is nothing to average; on the JAX engine Keras's
-    ``DataParallel`` distribution computes the gradients over the global batch,
-    so they arrive averaged and are not reduced a second time.
+    In a world of one there is nothing to average; on the JAX engine the step
+    averages them (:mod:`kmp.distributed._jax_step`: one flat all-reduce), so they
+    arrive averaged and are not reduced a second time.
 
     Raises:
         RuntimeError: A launched multi-process job where :func:`kmp.distributed.init`
