@@ -346,8 +346,8 @@ def test_init_starts_the_engine_of_the_launch(no_launcher, monkeypatch):
         calls.append(("horovod", n, elastic))
         return sentinel if n > 1 or elastic else None  # None: one process, no Horovod
 
-    def jax_start(coordinator, n, process_id, *, timeout_s, local_device=None):
-        calls.append(("jax", coordinator, n, process_id, timeout_s, local_device))
+    def jax_start(coordinator, n, process_id, *, timeout_s, local_device=None, own_step=True):
+        calls.append(("jax", coordinator, n, process_id, timeout_s, local_device, own_step))
 
     monkeypatch.setattr(_horovod, "start", hvd_start)
     monkeypatch.setattr(_jax, "start", jax_start)
@@ -374,7 +374,11 @@ def test_init_starts_the_engine_of_the_launch(no_launcher, monkeypatch):
     for var, value in jax_env.items():
         monkeypatch.setenv(var, value)
     assert isinstance(start("jax"), _jax.JaxEngine)
-    assert calls == [("jax", "h1:29500", 2, 1, 300, 1)]  # two on the host: one GPU each
+    assert calls == [("jax", "h1:29500", 2, 1, 300, 1, True)]  # two on the host: one GPU each
+    monkeypatch.setenv("KMP_JAX_STEP", "keras")  # Keras's own train step, for comparison
+    start("jax")
+    assert calls[-1][-1] is False
+    monkeypatch.delenv("KMP_JAX_STEP")
     with pytest.raises(ValueError, match="kmp's local launcher"):
         start("horovod")
 
