@@ -136,12 +136,12 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
-def verdict(rows: list[dict]) -> list[str]:
-    """The targets as markdown lines."""
+def verdict(judged: list[dict]) -> list[str]:
+    """The judged targets (:func:`targets`) as markdown lines."""
     return [
         f"- {t['name']} ({t['goal']}): **{'met' if t['met'] else 'MISSED'}**, {t['value']:.2f}x "
         f"({t['measured']})"
-        for t in targets(rows)
+        for t in judged
     ]
 
 
@@ -156,7 +156,8 @@ def render(payload: dict) -> str:
         "under mixed_float16 overflows step 3 on the last process. jax: kmp's train step; "
         "jax-keras: Keras's (KMP_JAX_STEP=keras)."
     )
-    lines = verdict(payload["runs"]) + [f"- not run: {s}" for s in payload.get("not_run", [])]
+    judged = payload["targets"] if "targets" in payload else targets(payload["runs"])
+    lines = verdict(judged) + [f"- not run: {s}" for s in payload.get("not_run", [])]
     return header + "\n\n" + table(payload["runs"]) + "\n\n" + "\n".join(lines)
 
 

@@ -69,9 +69,9 @@ def choose_policy(hw: _hw.Hardware, backend: str = "tensorflow") -> tuple[str, s
     The rule: bfloat16 where it is fast (NVIDIA compute capability >= 8.0, TPUs,
     CPUs with AVX512_BF16 or AMX under TensorFlow, whose oneDNN kernels use them);
     float16 on GPUs with tensor cores but no fast bfloat16 (compute capability 7.x);
-    float32 elsewhere, a CPU on the JAX backend included (XLA:CPU trained the MLP at
-    0.71x and the digits CNN at 0.72x of float32 under mixed_bfloat16 on an AVX512_BF16
-    CPU, where TensorFlow gains 1.55x; docs/benchmarks.md). Never float16 on a CPU.
+    float32 elsewhere, a CPU on the JAX backend included (XLA:CPU trains slower under
+    mixed_bfloat16 than under float32 on an AVX512_BF16 CPU, where TensorFlow gains;
+    measured in docs/benchmarks.md). Never float16 on a CPU.
 
     Args:
         hw: The machine, e.g. ``kmp.hardware.detect()``.
@@ -102,7 +102,7 @@ def choose_policy(hw: _hw.Hardware, backend: str = "tensorflow") -> tuple[str, s
         return (
             "float32",
             "CPU on the JAX backend: XLA:CPU runs bfloat16 matrix products slower than "
-            "float32 (measured 0.71-0.72x); TensorFlow's oneDNN kernels gain from them",
+            "float32 (docs/benchmarks.md); TensorFlow's oneDNN kernels gain from them",
         )
     if hw.cpu.fast_bfloat16:
         flags = ", ".join(

@@ -859,7 +859,7 @@ def test_engines_table_and_target_put_every_engine_beside_horovod():
         ("JAX engine against the Horovod engine, digits_cnn", 1.2, True),
         ("JAX engine against the Horovod engine, gpt", 0.85, False),
     ]
-    assert engines.verdict(rows)[1] == (
+    assert engines.verdict(judged)[1] == (
         "- JAX engine against the Horovod engine, gpt (>= 0.9x under every policy): **MISSED**, "
         "0.85x (lowest under mixed_float16; mixed_float16 0.85x)"
     )

@@ -9,8 +9,9 @@ owns the step instead, for every model whose class keeps Keras's ``train_step``:
     shard_map over the batch axis, on each device:
         forward + loss + scale_loss + backward on the local batch
         metrics updated on the local batch
-        one float32 vector: every gradient, the non-trainable and metric variables
-        that must be combined, the loss  ->  ONE psum over the devices  ->  split
+        one float32 vector: every gradient and the non-trainable and metric
+        variables that must be combined (the loss rides in the loss tracker's
+        metric variables)  ->  ONE psum over the devices  ->  split
     outside it (replicated, identical on every process):
         kmp's (or any) optimizer: finite check, unscale, apply or skip
         the logs: each metric's result on the combined variables
@@ -40,8 +41,6 @@ __all__ = ["HOOK_POINT", "combine_rule", "install", "owns_step", "remove"]
 # Keras 3.15's JAX trainer: ``train_step(self, state, data)`` -> (logs, state), where
 # state = (trainable, non_trainable, optimizer, metrics) values.
 HOOK_POINT = ("keras.src.backend.jax.trainer", "JAXTrainer", "train_step")
-
-COMBINE_RULES = ("mean", "sum", "first", "local")
 
 
 def combine_rule(dtype: str, aggregation: str) -> str:
