@@ -29,6 +29,7 @@ reads a weight's ``path`` (Muon) cannot take the view: use float32 weights with 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import keras
@@ -69,6 +70,7 @@ class CompensatedUpdates:
         self._entries: dict[Any, tuple[str, int, Any]] = {}  # key -> (mode, index, buffer)
         self._views: dict[int, tuple[Any, tuple[str, int, Any]]] = {}  # id(view) -> (var, entry)
         self._last: Any = None  # the latest update's value (TensorFlow graphs: the order)
+        self._fused_updates: dict[Any, Any] = {}  # var key -> its compiled update (TensorFlow)
         for index, v in enumerate(variables):
             mode = _mw.update_mode(setting, str(v.dtype))
             self.modes[v.path] = mode
@@ -97,26 +99,56 @@ class CompensatedUpdates:
         opt = self.optimizer
         original = {
             name: getattr(opt, name)
-            for name in ("update_step", "_var_key", "assign", "assign_add", "assign_sub")
+            for name in ("apply", "update_step", "_var_key", "assign", "assign_add", "assign_sub")
         }
         keras_decay = opt._apply_weight_decay
         self._keras_assign = original["assign"]
 
+        def apply(grads: Any, trainable_variables: Any = None) -> Any:
+            if not _in_tf_graph():
+                return original["apply"](grads, trainable_variables)
+            # The updates run one after the other (_after_previous), in the order they are
+            # given: the last weights first, whose gradients backpropagation computes
+            # first, so each gradient is consumed (and freed) as soon as it is ready.
+            grads = list(grads)
+            variables = list(
+                opt._trainable_variables if trainable_variables is None else trainable_variables
+            )
+            return original["apply"](grads[::-1], variables[::-1])
+
         def var_key(variable: Any) -> Any:
             view = self._views.get(id(variable))
             return original["_var_key"](view[0] if view else variable)
+
+        def on_view(gradient: Any, variable: Any, entry: Any, learning_rate: Any) -> Any:
+            view = ops.cast(variable, "float32")  # the optimizer computes in float32
+            self._views[id(view)] = (variable, entry)
+            try:
+                return original["update_step"](gradient, view, learning_rate)
+            finally:
+                del self._views[id(view)]
+
+        def fused_update(variable: Any, entry: Any, gradient: Any, learning_rate: Any) -> Any:
+            on_view(gradient, variable, entry, learning_rate)
+            return ops.convert_to_tensor(0, "int32")  # done: the point the next update waits on
 
         def update_step(gradient: Any, variable: Any, learning_rate: Any) -> Any:
             entry = self._entry(variable)
             if entry is None:
                 return original["update_step"](gradient, variable, learning_rate)
             with self._after_previous():
-                view = ops.cast(variable, "float32")  # the optimizer computes in float32
-                self._views[id(view)] = (variable, entry)
-                try:
-                    return original["update_step"](gradient, view, learning_rate)
-                finally:
-                    del self._views[id(view)]
+                if not _in_tf_graph() or sparse.is_sparse(gradient):
+                    return on_view(gradient, variable, entry, learning_rate)
+                # The whole update of this weight (the optimizer's arithmetic, its slots'
+                # and the weight's rounding) as one XLA computation: its float32
+                # temporaries are fused away instead of living a layer's size each.
+                key = self.optimizer._var_key(variable)
+                if key not in self._fused_updates:
+                    self._fused_updates[key] = xla.fused(
+                        functools.partial(fused_update, variable, entry)
+                    )
+                self._last = self._fused_updates[key](gradient, learning_rate)
+                return None
 
         def change(name: str, sign: float | None) -> Any:
             def assign(variable: Any, value: Any) -> Any:
@@ -150,7 +182,7 @@ class CompensatedUpdates:
                 if entry is not None and opt._use_weight_decay(v):
                     self._add(v, ops.multiply(ops.cast(v, "float32"), rate), -1.0, entry)
 
-        opt.update_step, opt._var_key = update_step, var_key
+        opt.apply, opt.update_step, opt._var_key = apply, update_step, var_key
         opt.assign, opt.assign_add, opt.assign_sub = (
             change("assign", None),
             change("assign_add", 1.0),
@@ -164,18 +196,17 @@ class CompensatedUpdates:
         Without an order TensorFlow runs every weight's update at once, so the float32
         temporaries of all of them (the view, the update, the exact sum) are alive
         together: more than the 16-bit state saves. One after the other, only one
-        weight's are. (JAX's compiler schedules its buffers itself.)
+        weight's are. The order is the reverse of the variables' (``apply``): the order
+        backpropagation hands out their gradients, so no gradient waits for an earlier
+        layer's to be computed (in the variables' order every gradient of the step was
+        alive at once). (JAX's compiler schedules its buffers itself.)
         """
-        if keras.backend.backend() != "tensorflow":
+        if not _in_tf_graph():
             return contextlib.nullcontext()
         import tensorflow as tf
 
         last = self._last
-        if (
-            tf.executing_eagerly()
-            or last is None
-            or last.graph is not tf.compat.v1.get_default_graph()
-        ):
+        if last is None or last.graph is not tf.compat.v1.get_default_graph():
             return contextlib.nullcontext()
         return tf.control_dependencies([last])
 
@@ -217,6 +248,15 @@ class CompensatedUpdates:
         """The ``(key, step)`` of a variable's random bits this step."""
         key = ops.convert_to_tensor(_mw.rounding_key(self.seed, entry[1]), "int32")
         return key, self.optimizer.iterations
+
+
+def _in_tf_graph() -> bool:
+    """True while TensorFlow traces a graph (a ``tf.function``), where kmp orders updates."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return not tf.executing_eagerly()
 
 
 def _exact_sum(base: Any, value: Any, scale: Any) -> Any:

@@ -583,10 +583,14 @@ def test_state_bytes_per_master_weights_config_and_their_targets():
     assert per == pytest.approx({"mixed_bfloat16": 12.0, "bfloat16+kahan": 8.0,
                                  "bfloat16+stochastic": 6.0}, rel=1e-3)  # fmt: skip
     assert figures["bfloat16+kahan"]["slot_dtype"] == "bfloat16"
-    checks = {t["name"]: t for t in states.targets(figures)}
-    assert all(t["met"] for t in checks.values()) and len(checks) == 2
+    checks = [t["met"] for t in states.targets(figures)]
+    assert checks == [True, True, None]  # the step peak: not measured without TF's allocator
     figures["bfloat16+kahan"]["state_bytes"] = figures["mixed_bfloat16"]["state_bytes"]
     assert not states.targets(figures)[1]["met"]  # 1.0 > 0.70: judged, not assumed
+    figures["mixed_bfloat16"]["step_peak_bytes"] = 1000 * 2**20
+    figures["bfloat16+stochastic"]["step_peak_bytes"] = 560 * 2**20
+    peak = states.targets(figures)[2]
+    assert (peak["met"], peak["measured"]) == (False, "0.560 (560 vs 1,000 MiB)")
 
 
 def test_limits_of_a_job_from_its_traffic_and_link():
@@ -925,3 +929,29 @@ def test_transformer_bench_counts_each_jobs_bytes_and_limits():
     assert row["vs_compute"] == pytest.approx(100.0 / 400.0, abs=1e-3)
     assert row["vs_non_overlapped"] == pytest.approx(100.0 * (t_compute + t_wire) / 64, abs=1e-3)
     assert "vs_compute" not in out["1gbit/2/embed_lm/kmp_jax"]  # no JAX compute limit measured
+
+
+def test_step_profile_sums_op_time_per_kind_and_compares_with_float32():
+    prof = _load("step_profile")
+    assert [prof.op_kind(t) for t in ("_MklMatMul", "_MklEinsum", "Cast", "IDLE")] == [
+        "matmul", "matmul", "cast", None]  # fmt: skip
+    assert prof.op_kind("AssignSubVariableOp") == "variables" and prof.op_kind("Erfc") == "other"
+    rows = [{"type": "IDLE", "total_self_time": 9e6},  # idle time is not op time
+            {"type": "_MklMatMul", "total_self_time": 30000.0},
+            {"type": "Cast", "total_self_time": 10000.0},
+            {"type": "Mul", "total_self_time": 10000.0}]  # fmt: skip
+    split = prof.split_by_kind(rows, steps=10)
+    assert split["op_ms"] == 5.0
+    assert split["kinds_ms"] == {"matmul": 3.0, "cast": 1.0, "variables": 0.0, "other": 1.0}
+    assert split["top_types"][0] == ["_MklMatMul", 0.6]
+    base = {"model": "mlp", "policy": "float32", "wall_ms": 10.0, "op_ms": 8.0,
+            "kinds_ms": {"matmul": 6.0, "cast": 0.0, "variables": 1.0, "other": 1.0},
+            "top_types": [["_MklMatMul", 0.75]]}  # fmt: skip
+    mixed = {"model": "mlp", "policy": "mixed_bfloat16", "wall_ms": 8.0, **split}
+    machine = {"cpu": "EPYC", "cores": 2, "cpu_flags": ["avx512_bf16"], "date": "d"}
+    md = prof.markdown({"machine": machine, "batch": 64, "steps": 10, "runs": [base, mixed]})
+    line = md.splitlines()[3]
+    # wall 10/8, op 8/5, matmul 6/3; a cast float32 never ran has no gain to show
+    assert line.startswith(
+        "| mlp | mixed_bfloat16 | 8.00 (1.25x) | 5.00 (1.60x) | 3.00 (2.00x) | 1.00 |"
+    )
