@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-POLICY_ORDER = ("float32", "mixed_bfloat16", "mixed_float16", "auto")
+POLICY_ORDER = ("float32", "mixed_bfloat16", "mixed_float16", "bfloat16", "auto")
 
 
 def _empty(ax, title: str) -> None:

@@ -35,6 +35,7 @@ RESULT_NAMES = {
     "overhead": "overhead",
     "allreduce": "allreduce",
     "memory": "memory",
+    "states": "memory_states",
     "peers": "peers",
     "numerics": "numerics",
     "inference": "inference",
@@ -96,6 +97,9 @@ def plan(args: argparse.Namespace) -> list[Part]:
                 argv = ["--quick", "--model", model or "digits_cnn"]
             else:
                 argv = _opt("--model", model) + _opt("--steps", steps) + _opt("--batch", batch)
+            parts.append(Part(name, "memory.py", tuple(argv)))
+        elif name == "states":  # its own model: the 67M-parameter MLP, each mode in a child
+            argv = ["--states", "--quick"] if quick else ["--states", "--steps", "20"]
             parts.append(Part(name, "memory.py", tuple(argv)))
         elif name == "peers":  # its own models: the digits CNN and the wide MLP
             parts.append(Part(name, "peers.py", ("--quick",) if quick else ()))
@@ -240,6 +244,7 @@ def summary_markdown(
         "overhead": "Wrapper overhead",
         "allreduce": "Allreduce and weak scaling",
         "memory": "Memory of a training step",
+        "states": "Weights, optimizer state and the step's peak per master-weights mode",
         "peers": "Peers, the limit, hosts and links",
         "numerics": "Numerics: accuracy per policy on real workloads",
     }

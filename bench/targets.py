@@ -319,6 +319,7 @@ target_peers = judged_by_part("peers")
 target_numerics = judged_by_part("numerics")
 target_inference = judged_by_part("inference")
 target_engines = judged_by_part("engines")
+target_states = judged_by_part("states")
 
 
 TARGETS = (
@@ -328,6 +329,7 @@ TARGETS = (
     target_peers,
     target_compression,
     target_memory,
+    target_states,
     target_gpu,
     target_numerics,
     target_inference,

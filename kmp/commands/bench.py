@@ -11,13 +11,17 @@ The parts (each a script in the ``bench/`` folder of a kmp source checkout,
 started as a child process of this one):
 
 * ``policies``: training throughput under float32, mixed_bfloat16,
-  mixed_float16 and "auto" (``bench/policies.py``);
+  mixed_float16, bfloat16 weights (kmp's compensated updates) and "auto"
+  (``bench/policies.py``);
 * ``overhead``: ``kmp.wrap_optimizer`` against a hand-wired Keras
   ``LossScaleOptimizer`` (``bench/overhead.py``);
 * ``allreduce``: grouped vs per-tensor allreduce with and without fp16/bf16
   compression, and the 2-process weak-scaling efficiency under
   ``horovodrun`` (``bench/allreduce.py``; ``scaling`` is the same part);
 * ``memory``: activation and step memory under each policy (``bench/memory.py``);
+* ``states``: weights, optimizer state, the step's peak and step time of a 67M-parameter
+  MLP with Adam per master-weights mode against mixed_bfloat16 (``bench/memory.py
+  --states``);
 * ``peers``: kmp against Horovod's ``DistributedGradientTape``,
   ``MultiWorkerMirroredStrategy`` and two independent processes (the limit) on
   one host, and on 2-3 ``kmp cluster`` hosts over links shaped to 1 and 10
@@ -59,7 +63,8 @@ from kmp.commands import command_main
 
 __all__ = ["ALIASES", "MODELS", "PARTS", "configure", "find_bench_dir", "main", "run"]
 
-PARTS = ("policies", "overhead", "allreduce", "memory", "peers", "numerics", "inference", "engines")
+PARTS = ("policies", "overhead", "allreduce", "memory", "states")
+PARTS += ("peers", "numerics", "inference", "engines")
 # Other names accepted by --only, and the part that measures them.
 ALIASES = {"scaling": "allreduce", "weak_scaling": "allreduce", "policy": "policies"}
 # The models of bench/models.py, repeated so that the parser needs no import of bench/.
@@ -71,7 +76,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         choices=MODELS,
-        default=None,
         help="model every part trains (default: each benchmark's own: the small CNN and the MLP "
         "for the policies, the small CNN for the memory, the digits CNN for the overhead and "
         "the allreduce)",
@@ -104,13 +108,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         type=Path,
-        default=None,
         help="folder for the results (default: bench/results/, bench/results/quick/ with --quick)",
     )
     parser.add_argument(
         "--bench-dir",
         type=Path,
-        default=None,
         help="the bench/ folder of a kmp checkout (default: next to the kmp package)",
     )
 
