@@ -707,13 +707,14 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
         assert fig["step_bytes"] > 0
     assert memory["policies"]["mixed_float16"]["activation_vs_float32"] < 1.0
     targets = {t["name"]: t for t in summary["targets"]}
-    assert len(targets) == 32
+    assert len(targets) == 37
     measured = [t for t in targets.values() if t["result"] != "not run"]
     # All but the GPU one and the two of the links (not in --quick); of the numerics, the
     # GPT under mixed_float16 and the ranks' weights (the quick run has only those); of
     # inference's, those of the digits CNN, the MLP and the GPT in bfloat16 and int8 (not
-    # ResNet50's or MNIST-1D's) and both exports' sizes; the engines' on the digits CNN.
-    assert len(measured) == 20, [t["name"] for t in measured]
+    # ResNet50's or MNIST-1D's) and both exports' sizes; the engines' on the digits CNN;
+    # the five of the states part (state bytes, step peak, step times).
+    assert len(measured) == 25, [t["name"] for t in measured]
     peers = json.loads((out / summary["parts"]["peers"]["result_file"]).read_text())
     jobs = peers["local"]["jobs"]
     assert not peers["local"]["errors"]
