@@ -58,7 +58,8 @@ want_stamp() {
 }
 
 system_packages() {
-  # The tools `kmp cluster` and Horovod's MPI controller need; installed only when missing.
+  # The tools `kmp cluster` (and its SLURM) and Horovod's MPI controller need; installed
+  # only when missing.
   local missing=()
   [ -x /usr/sbin/sshd ] || missing+=(openssh-server)
   command -v ssh >/dev/null 2>&1 || missing+=(openssh-client)
@@ -66,6 +67,11 @@ system_packages() {
   command -v ping >/dev/null 2>&1 || missing+=(iputils-ping)
   command -v mpirun >/dev/null 2>&1 || missing+=(openmpi-bin)
   command -v mpicxx >/dev/null 2>&1 || missing+=(libopenmpi-dev)
+  # SLURM on `kmp cluster up --slurm` (the tests' real SLURM cluster), with munge.
+  [ -x /usr/sbin/slurmctld ] || missing+=(slurmctld)
+  [ -x /usr/sbin/slurmd ] || missing+=(slurmd)
+  command -v sinfo >/dev/null 2>&1 || missing+=(slurm-client)
+  [ -x /usr/sbin/munged ] || missing+=(munge)
   [ "${#missing[@]}" -eq 0 ] && return 0
   if [ "${KMP_SYSTEM_PACKAGES:-1}" = 0 ]; then
     log "KMP_SYSTEM_PACKAGES=0: not installing ${missing[*]} (multi-host and MPI tests will skip)"

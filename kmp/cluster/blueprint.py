@@ -101,6 +101,7 @@ class ClusterPlan:
         slots: Processes per host, for the ``-H`` and hostfile lines it prints.
         rate: A ``tc`` rate for every host's link (e.g. ``"1gbit"``), or None.
         state_dir: The cluster's own folder; ``down`` removes it.
+        slurm: Whether ``up`` also starts SLURM on the hosts (:mod:`kmp.cluster.slurm_daemons`).
     """
 
     name: str
@@ -108,6 +109,7 @@ class ClusterPlan:
     slots: int
     rate: str | None
     state_dir: Path
+    slurm: bool = False
 
     @property
     def switch_netns(self) -> str:
@@ -259,6 +261,7 @@ def plan_cluster(
     rate: str | None = None,
     name: str = DEFAULT_NAME,
     root: Path | None = None,
+    slurm: bool = False,
 ) -> ClusterPlan:
     """Decide everything ``kmp cluster up`` will create (pure).
 
@@ -268,6 +271,7 @@ def plan_cluster(
         rate: Shape every host's link to this ``tc`` rate, e.g. ``"1gbit"``.
         name: The cluster's name.
         root: Where cluster state lives (default :func:`state_root`).
+        slurm: Also run SLURM (slurmctld on h1, slurmd and munged on every host).
 
     Returns:
         The :class:`ClusterPlan`.
@@ -296,4 +300,8 @@ def plan_cluster(
         )
         for i in range(1, n + 1)
     )
-    return ClusterPlan(name=name, hosts=plans, slots=slots, rate=rate, state_dir=state_dir)
+    if not isinstance(slurm, bool):
+        raise TypeError(f"slurm must be True or False, got {slurm!r}")
+    return ClusterPlan(
+        name=name, hosts=plans, slots=slots, rate=rate, state_dir=state_dir, slurm=slurm
+    )

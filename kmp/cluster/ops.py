@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kmp.cluster import blueprint as cp
+from kmp.cluster import slurm_daemons as sl
 from kmp.cluster import state as cs
 from kmp.cluster.state import (
     ClusterError,
@@ -169,6 +170,8 @@ def up(plan: cp.ClusterPlan, root: Path | None = None) -> None:
             failed step (everything made so far is removed first).
     """
     require_environment(need_tc=plan.rate is not None)
+    if plan.slurm:
+        sl.require_slurm()
     with locked(root):
         _up(plan, root)
 
@@ -187,6 +190,7 @@ def _up(plan: cp.ClusterPlan, root: Path | None) -> None:
         "etc_hosts": False,
         "ssh_client_config": False,
         "made_run_sshd": False,
+        "slurm_enabled": plan.slurm,
     }
     save_state(plan, state)
     try:
@@ -200,6 +204,8 @@ def _up(plan: cp.ClusterPlan, root: Path | None) -> None:
         save_state(plan, state)
         write_private(plan.ssh_client_config_path, plan.ssh_client_config(), 0o644)
         _verify(plan)
+        if plan.slurm:
+            sl.start(plan, state)
     except BaseException as exc:
         removed = _down(plan.name, root)
         if isinstance(exc, ClusterError):
@@ -307,8 +313,10 @@ def exec_on(name: str, host: str, argv: list[str], root: Path | None = None) -> 
         raise ClusterError(f"no cluster {name!r} is up: start one with `kmp cluster up`.")
     if not argv:
         raise ClusterError("give the command after `--`: kmp cluster exec h1 -- hostname")
-    target = loaded[0].host(host)
-    return run_forwarding_signals(host_argv(target, argv))
+    plan, _ = loaded
+    target = plan.host(host)
+    env = {**os.environ, "SLURM_CONF": str(sl.conf_path(plan, target))} if plan.slurm else None
+    return run_forwarding_signals(host_argv(target, argv), env)
 
 
 def status(name: str, root: Path | None = None) -> dict[str, Any]:
@@ -337,4 +345,5 @@ def status(name: str, root: Path | None = None) -> dict[str, Any]:
         "hosts_arg": plan.host_list(),
         "state_dir": str(plan.state_dir),
         "hosts": hosts,
+        "slurm": sl.daemons(state) if plan.slurm else None,
     }

@@ -147,7 +147,12 @@ def load(name: str, root: Path | None = None) -> tuple[cp.ClusterPlan, dict[str,
             f"then delete {path.parent}."
         ) from None
     plan = cp.plan_cluster(
-        state["hosts"], slots=state["slots"], rate=state["rate"], name=name, root=root
+        state["hosts"],
+        slots=state["slots"],
+        rate=state["rate"],
+        name=name,
+        root=root,
+        slurm=bool(state.get("slurm_enabled", False)),
     )
     return plan, state
 

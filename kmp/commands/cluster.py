@@ -2,7 +2,7 @@
 
 ::
 
-    kmp cluster up --hosts 3 [--slots 2] [--rate 1gbit] [--name kmp]
+    kmp cluster up --hosts 3 [--slots 2] [--rate 1gbit] [--name kmp] [--slurm]
     kmp cluster status [--json]
     kmp cluster exec h1 -- kmp launch -np 3 -H h1:1,h2:1,h3:1 --network-interface eth0 train.py
     kmp cluster down
@@ -17,7 +17,9 @@ communication over shaped links, not compute scaling. It needs root.
 Every subcommand takes ``--name`` (default ``kmp``). What ``up`` makes is
 recorded under ``/run/kmp-cluster/NAME`` (``$KMP_CLUSTER_STATE_DIR``), and
 ``down`` removes exactly that: sshd processes by pid, namespaces, the
-``/etc/hosts`` lines, the ssh client block and the keys.
+``/etc/hosts`` lines, the ssh client block and the keys. With ``--slurm`` the hosts
+are also a SLURM cluster (:mod:`kmp.cluster.slurm_daemons`): slurmctld on h1, slurmd
+and munged on every host, and ``exec`` sets ``SLURM_CONF`` so ``sbatch`` works there.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     upp.add_argument("--hosts", type=int, required=True, metavar="N", help="number of hosts")
     upp.add_argument("--slots", type=int, default=1, metavar="S", help="processes per host")
     upp.add_argument("--rate", metavar="RATE", help="shape every link, e.g. 1gbit or 100mbit")
+    upp.add_argument(
+        "--slurm", action="store_true", help="also run SLURM: slurmctld on h1, slurmd everywhere"
+    )
     named(sub.add_parser("down", help="remove everything `up` made"))
     st = named(sub.add_parser("status", help="list the hosts"))
     st.add_argument("--json", action="store_true", help="print one JSON object")
@@ -71,6 +76,11 @@ def _print_up(plan: cp.ClusterPlan) -> None:
         f"kmp launch -H {plan.host_list()} --network-interface eth0 launch/train.py\n"
         f"remove it:                kmp cluster down --name {plan.name}"
     )
+    if plan.slurm:
+        print(
+            f"SLURM is up (slurmctld on {plan.hosts[0].name}): kmp cluster exec "
+            f"{plan.hosts[0].name} --name {plan.name} -- sbatch -N2 launch/slurm.sbatch"
+        )
 
 
 def _split_exec(name: str, rest: list[str]) -> tuple[str, list[str]]:
@@ -96,7 +106,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         cp.check_name(args.name)
         if args.action == "up":
-            plan = cp.plan_cluster(args.hosts, slots=args.slots, rate=args.rate, name=args.name)
+            plan = cp.plan_cluster(
+                args.hosts, slots=args.slots, rate=args.rate, name=args.name, slurm=args.slurm
+            )
             ops.up(plan)
             _print_up(plan)
             return 0

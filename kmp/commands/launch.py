@@ -9,6 +9,11 @@
     kmp launch -np 2 --policy mixed_bfloat16 --dry-run train.py   # print, do not run
     kmp launch -np 1 train.py                             # plain `python train.py`
     kmp launch -H h1:1,h2:1 --network-interface eth0 --ssh-identity-file KEY train.py
+    kmp launch train.py            # in an sbatch script: srun starts a rank per SLURM task
+
+Inside a SLURM allocation (``sbatch``, ``salloc``) and without -H/--hostfile, the
+hosts and slots are the allocation's and ``srun`` starts the ranks
+(:mod:`kmp.launching.slurm`): no hostfile, no ssh, and SLURM tracks every rank.
 
 Before a job with other hosts (or a named interface) starts, every host is
 checked in parallel (:mod:`kmp.launching.preflight`): one that ssh cannot reach,
@@ -27,6 +32,7 @@ pure, and :func:`~kmp.launching.job.execute`, the only one that starts a process
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -35,6 +41,7 @@ from kmp.launching.elastic import configure_elastic, options_from_args
 from kmp.launching.engine_env import configure_engine
 from kmp.launching.hosts import LaunchError, parse_hosts, read_hostfile
 from kmp.launching.job import build_command, execute, format_command
+from kmp.launching.slurm import allocation_hosts
 
 __all__ = ["configure", "main", "run"]
 
@@ -123,9 +130,13 @@ def run(args: argparse.Namespace) -> int:
             hosts = read_hostfile(args.hostfile)
         else:
             hosts = None
-        if args.np is None and hosts is None and elastic is None:
+        allocation = None
+        if hosts is None and not args.hostfile and (args.np or 2) > 1:
+            allocation = allocation_hosts(os.environ)  # None outside SLURM
+        listed = hosts if allocation is None else allocation
+        if args.np is None and listed is None and elastic is None:
             raise LaunchError("give -np N (or -H/--hostfile, whose slots then set N).")
-        np_ = args.np if args.np is not None or hosts is None else sum(h.slots for h in hosts)
+        np_ = args.np if args.np is not None or listed is None else sum(h.slots for h in listed)
         plan = build_command(
             np_,
             args.script,
@@ -140,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             engine=args.engine,
             coordinator_port=args.coordinator_port,
             gloo_timeout=args.gloo_timeout,
+            allocation=allocation,
         )
     except LaunchError as exc:
         print(f"kmp launch: error: {exc}", file=sys.stderr)

@@ -31,7 +31,7 @@ from pathlib import Path
 from kmp._launcher_env import LOCAL_RUN_VARS
 from kmp._names import VALID_POLICIES, normalize_policy
 from kmp.launching import horovodrun as horovodrun_entry
-from kmp.launching import preflight
+from kmp.launching import preflight, slurm
 from kmp.launching.elastic import ElasticOptions, check_discovery, elastic_args
 from kmp.launching.engine_env import engine_env, local_argv
 from kmp.launching.hosts import HOST_RE, Host, LaunchError, check_count
@@ -82,6 +82,10 @@ class LaunchPlan:
         discovery: An elastic job's own host discovery script, run once by
             :func:`execute` to check what it prints (None: nothing to check).
         slots_per_host: Slots of a discovered host printed without ``:SLOTS``.
+        rendezvous: A job that ``srun`` starts on Horovod's Gloo: its hosts and slots
+            (one per rank), for the rendezvous server :func:`execute` runs
+            (:func:`kmp.launching.slurm.gloo_rendezvous`).
+        interface: The network interface of that rendezvous (None: the host name's address).
     """
 
     argv: tuple[str, ...]
@@ -90,6 +94,8 @@ class LaunchPlan:
     checks: tuple[preflight.Check, ...] = ()
     discovery: str | None = None
     slots_per_host: int | None = None
+    rendezvous: tuple[Host, ...] = ()
+    interface: str | None = None
 
 
 # ---------------------------------------------------------------- command
@@ -138,6 +144,7 @@ def build_command(
     engine: str = "horovod",
     coordinator_port: int | None = None,
     gloo_timeout: int | None = None,
+    allocation: Sequence[Host] | None = None,
 ) -> LaunchPlan:
     """Build the command that runs ``script`` on ``np`` processes (pure: starts nothing).
 
@@ -171,6 +178,10 @@ def build_command(
             bounds how long a rank waiting on a dead peer takes to notice; it
             must exceed the spread of the ranks' start-up (import to
             ``kmp.distributed.init()``), or the job fails at start.
+        allocation: The hosts of the SLURM allocation this runs in
+            (:func:`kmp.launching.slurm.allocation_hosts`): ``srun`` starts the ranks
+            there (:func:`kmp.launching.slurm.srun_argv`), no ssh; ``hosts``, ssh
+            options and ``elastic`` must then be None.
 
     Returns:
         The :class:`LaunchPlan`.
@@ -179,8 +190,12 @@ def build_command(
         LaunchError: ``np < 1``, a missing script, an unknown controller or
             policy, a missing identity file, a bad port or interface name, or hosts
             with fewer slots than ``np``; bad elastic options; a ``gloo_timeout``
-            that is not an integer >= 1, or one given with MPI or the JAX engine.
+            that is not an integer >= 1, or one given with MPI or the JAX engine; an
+            allocation with hosts, ssh options or ``elastic``, or too few tasks.
     """
+    if allocation is not None:
+        _check_allocation(hosts, ssh_port, ssh_identity_file, elastic)
+        hosts = list(allocation)
     if elastic is not None and hosts:
         raise LaunchError(
             "--elastic takes its hosts from --hostfile (re-read while the job runs) or "
@@ -228,6 +243,12 @@ def build_command(
             f"-np {np} needs {np} slots, but the hosts ({listed}) provide {total}. "
             "Add slots (-H host:N) or hosts, or lower -np."
         )
+    nics = [n.strip() for n in (network_interfaces or "").split(",") if n.strip()]
+    for nic in nics:
+        if not HOST_RE.match(nic) or len(nic) > 15:
+            raise LaunchError(f"--network-interface {nic!r} is not an interface name (e.g. eth0).")
+    if allocation is not None:
+        return _srun_plan(np, hosts, command, env, python, controller, engine, nics, gloo_timeout)
     local = local_argv(engine, hosts, np, python, command)
     if local is not None:  # a JAX job on this machine: kmp's own launcher, no horovodrun
         return LaunchPlan(argv=local, env=env, horovodrun=False)
@@ -238,12 +259,8 @@ def build_command(
             f"--ssh-identity-file {str(ssh_identity_file)!r} does not exist; give the private "
             "key that the other hosts accept."
         )
-    nics = [n.strip() for n in (network_interfaces or "").split(",") if n.strip()]
     if elastic is not None and not nics and hosts and all(h.name == "localhost" for h in hosts):
         nics = ["lo"]  # Horovod's elastic driver probes interfaces for minutes otherwise
-    for nic in nics:
-        if not HOST_RE.match(nic) or len(nic) > 15:
-            raise LaunchError(f"--network-interface {nic!r} is not an interface name (e.g. eth0).")
     argv = [*([horovodrun] if horovodrun else _default_launcher()), "-np", str(np)]
     if elastic is None:
         argv += ["-H", ",".join(str(h) for h in hosts)]
@@ -272,6 +289,59 @@ def build_command(
         checks=checks,
         discovery=None if elastic is None else elastic.discovery_script,
         slots_per_host=None if elastic is None else elastic.slots_per_host,
+    )
+
+
+def _check_allocation(
+    hosts: Sequence[Host] | None,
+    ssh_port: int | None,
+    ssh_identity_file: str | os.PathLike | None,
+    elastic: ElasticOptions | None,
+) -> None:
+    """What cannot go with a SLURM allocation, said with what to do instead."""
+    if hosts:
+        raise LaunchError("give either -H/--hostfile or the SLURM allocation's hosts, not both.")
+    if ssh_port is not None or ssh_identity_file is not None:
+        raise LaunchError(
+            "inside a SLURM allocation srun starts the ranks, without ssh: drop --ssh-port and "
+            "--ssh-identity-file (or give -H/--hostfile to start them over ssh)."
+        )
+    if elastic is not None:
+        raise LaunchError(
+            "--elastic inside a SLURM allocation: SLURM replaces a failed node by requeueing "
+            "the job (sbatch --requeue), which resumes from its last checkpoint; drop --elastic."
+        )
+
+
+def _srun_plan(
+    np: int,
+    hosts: Sequence[Host],
+    command: Sequence[str],
+    env: dict[str, str],
+    python: str,
+    controller: str | None,
+    engine: str,
+    nics: Sequence[str],
+    gloo_timeout: int | None,
+) -> LaunchPlan:
+    """The plan of a job that ``srun`` starts on the allocation (:mod:`kmp.launching.slurm`)."""
+    argv = slurm.srun_argv(np, hosts, command, python=python, controller=controller)
+    used = slurm.fill(hosts, np)
+    env = {**env, slurm.HOSTS_VAR: ",".join(str(h) for h in used)}
+    if gloo_timeout is not None:
+        env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(gloo_timeout)
+    nic = nics[0] if nics else None
+    if controller == "mpi":
+        env.update({"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi"})
+        if nic:
+            env.update({"OMPI_MCA_btl_tcp_if_include": nic, "OMPI_MCA_oob_tcp_if_include": nic})
+    gloo = engine == "horovod" and controller != "mpi"
+    return LaunchPlan(
+        argv=argv,
+        env=env,
+        horovodrun=False,
+        rendezvous=used if gloo else (),
+        interface=nic,
     )
 
 
@@ -310,4 +380,8 @@ def execute(plan: LaunchPlan, *, check_hosts: bool = True) -> int:
             file=sys.stderr,
         )
         return 127
-    return run_forwarding_signals(plan.argv, {**os.environ, **plan.env})
+    env = {**os.environ, **plan.env}
+    if not plan.rendezvous:
+        return run_forwarding_signals(plan.argv, env)
+    with slurm.gloo_rendezvous(plan.rendezvous, plan.interface) as gloo:
+        return run_forwarding_signals(plan.argv, {**env, **gloo})

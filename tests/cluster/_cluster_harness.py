@@ -126,12 +126,16 @@ def status(name: str = NAME) -> dict:
 
 
 @contextlib.contextmanager
-def cluster(hosts: int, *, slots: int = 1, rate: str | None = None) -> Iterator[dict]:
+def cluster(
+    hosts: int, *, slots: int = 1, rate: str | None = None, slurm: bool = False
+) -> Iterator[dict]:
     """A running cluster for the ``with`` block; down afterwards, and checked clean."""
     kmp("cluster", "down", "--name", NAME, check=False)  # a leftover of an aborted run
     args = ["cluster", "up", "--name", NAME, "--hosts", str(hosts), "--slots", str(slots)]
     if rate:
         args += ["--rate", rate]
+    if slurm:
+        args.append("--slurm")
     try:
         kmp(*args, timeout=180)
         yield status()

@@ -23,7 +23,7 @@ LAUNCHER = [sys.executable, "-m", "kmp.launching.horovodrun"]
 @pytest.fixture(autouse=True)
 def _no_kmp_env(monkeypatch):
     for key in list(os.environ):
-        if key.startswith("KMP_"):
+        if key.startswith(("KMP_", "SLURM_")):  # inside a SLURM job, srun would start the ranks
             monkeypatch.delenv(key)
 
 
@@ -347,22 +347,18 @@ def test_hostfile_sh_reports_a_malformed_line(script, tmp_path):
     assert proc.returncode == 2 and "line 2 ('node2 slots=two')" in proc.stderr
 
 
-def test_slurm_sbatch_builds_a_hostfile_from_the_allocation(script, tmp_path):
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    scontrol = fake_bin / "scontrol"
-    scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "gpu01\\ngpu02\\n"\n')
-    scontrol.chmod(0o755)
+def test_slurm_sbatch_starts_the_ranks_with_srun(script):
     env = {
-        "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_ID": "5",
         "SLURM_JOB_NODELIST": "gpu[01-02]",
-        "SLURM_NTASKS_PER_NODE": "4",
-        "SLURM_NTASKS": "8",
-        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_TASKS_PER_NODE": "4(x2)",
         "SLURM_SUBMIT_DIR": str(ROOT),
     }
-    cmd = _script_dry_run("slurm.sbatch", str(script), "--epochs", "1", env=env)
-    assert cmd[:8] == [*LAUNCHER, "-np", "8", "-H", "gpu01:4,gpu02:4", "--gloo"]
+    words = _script_dry_run("slurm.sbatch", str(script), "--epochs", "1", env=env)
+    cmd = [w for w in words if not w.split("=")[0].isupper()]  # the variables set first
+    assert "KMP_SLURM_HOSTS=gpu01:4,gpu02:4" in words
+    assert cmd[:5] == ["srun", "--ntasks=8", "--distribution=block", "--kill-on-bad-exit=1",
+                       "--mpi=none"]  # fmt: skip
     assert cmd[-3:] == [str(script), "--epochs", "1"]
 
 

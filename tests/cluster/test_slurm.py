@@ -1,0 +1,228 @@
+"""SLURM for real: slurmctld and slurmd on a kmp cluster, jobs submitted with ``sbatch``.
+
+One cluster of three hosts (two CPUs each) with SLURM serves the module
+(``kmp cluster up --slurm``). Each job is a batch script that runs ``kmp launch
+launch/train.py`` with no host list, as users write it: the hosts and slots come
+from the allocation and ``srun`` starts the ranks. Checked: the ranks run on the
+allocation's nodes and end bit-identical, on Horovod (Gloo and MPI through PMIx)
+and on the JAX engine, with the accuracy of the same job on one node; a job whose
+node fails is requeued by SLURM and resumes from its last checkpoint to the same
+accuracy as the run that never failed; ``scancel`` leaves no rank behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kmp.cluster.slurm_daemons import have_slurm
+from tests.cluster._cluster_harness import (
+    NAME,
+    ROOT,
+    cluster,
+    digits_env,
+    on_host,
+    requires_cluster,
+)
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.distributed,
+    pytest.mark.slow,
+    requires_cluster,
+    pytest.mark.skipif(
+        not have_slurm(),
+        reason="SLURM is not installed: `bash launch/setup.sh` as root installs slurmctld, "
+        "slurmd, slurm-client and munge",
+    ),
+]
+
+PY = sys.executable
+EPOCHS = 12
+TRAIN = ["launch/train.py", "--model", "digits_cnn", "--epochs", str(EPOCHS), "--verbose", "2"]
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    start = time.monotonic()
+    with cluster(3, slots=2, slurm=True) as info:
+        print(f"SLURM cluster up in {time.monotonic() - start:.1f} s")
+        yield info
+    print(f"SLURM cluster up and down, tests included: {time.monotonic() - start:.0f} s")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    return digits_env(tmp_path_factory.mktemp("tfds"))
+
+
+def on_h1(*argv: str, env: dict | None = None, timeout: float = 60) -> str:
+    proc = on_host("h1", *argv, env=env, timeout=timeout)
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}: {proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def submit(folder: Path, name: str, sbatch: list[str], launch: list[str], env: dict) -> str:
+    """``sbatch`` a script that runs ``kmp launch LAUNCH``; return the job id."""
+    script = folder / f"{name}.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"cd {shlex.quote(str(ROOT))}\n"
+        'echo "run ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST at $(date +%s.%N)"\n'
+        f"exec {shlex.quote(PY)} -m kmp.cli launch {shlex.join(launch)}\n"
+    )
+    out = folder / f"{name}.out"
+    argv = ["sbatch", "--parsable", f"--job-name={name}", f"--output={out}", *sbatch, str(script)]
+    return on_h1(*argv, env=env).strip().split(";")[0]
+
+
+def job_info(job: str) -> dict[str, str]:
+    """``scontrol show job -o``: one line of KEY=VALUE fields."""
+    line = on_h1("scontrol", "show", "job", "-o", job)
+    return dict(f.split("=", 1) for f in line.split() if "=" in f)
+
+
+def wait(job: str, until=lambda info: info["JobState"] in FINAL, timeout: float = 400) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = job_info(job)
+        if until(info):
+            return info
+        time.sleep(1)
+    raise AssertionError(f"job {job} still {info['JobState']} after {timeout} s: {info}")
+
+
+def summaries(folder: Path, name: str, n: int) -> list[dict]:
+    return [json.loads((folder / f"{name}-{r}.json").read_text()) for r in range(n)]
+
+
+def train(folder: Path, name: str, *extra: str) -> list[str]:
+    summary = str(folder / f"{name}-{{rank}}.json")
+    return [*TRAIN, "--checkpoint-dir", str(folder / f"{name}-ckpt"), "--summary", summary, *extra]
+
+
+@pytest.fixture(scope="module")
+def finished(slurm, env, tmp_path_factory):
+    """Four jobs submitted together (SLURM runs them as nodes free up), then their results."""
+    folder = tmp_path_factory.mktemp("jobs")
+    two, one = ["--nodes=2", "--ntasks-per-node=1"], ["--nodes=1", "--ntasks-per-node=2"]
+    jobs = {
+        "gloo": submit(folder, "gloo", two, train(folder, "gloo"), env),
+        "one-node": submit(folder, "one-node", one, train(folder, "one-node"), env),
+        "jax": submit(folder, "jax", two, ["--engine", "jax", *train(folder, "jax")], env),
+        "mpi": submit(folder, "mpi", two, ["--mpi", *train(folder, "mpi")], env),
+    }
+    results = {}
+    for name, job in jobs.items():
+        info = wait(job)
+        log = (folder / f"{name}.out").read_text(errors="replace")
+        assert info["JobState"] == "COMPLETED", f"{name}: {info}\n{log[-6000:]}"
+        results[name] = {"info": info, "log": log, "ranks": summaries(folder, name, 2)}
+    return results
+
+
+@pytest.mark.parametrize("name", ["gloo", "mpi", "jax"])
+def test_an_sbatch_job_on_two_nodes_ends_bit_identical(finished, name):
+    run = finished[name]
+    ranks = run["ranks"]
+    hosts = [r["hostname"] for r in ranks]
+    # One rank per node, in the allocation's order, as srun placed them.
+    assert hosts == on_h1("scontrol", "show", "hostnames", run["info"]["NodeList"]).split()
+    assert len(set(hosts)) == 2
+    assert all(r["ranks"] == 2 and r["weights_max_diff"] == 0.0 for r in ranks)
+    assert ranks[0]["engine"] == ("jax" if name == "jax" else "horovod")
+    assert ranks[0]["test_accuracy"] > 0.9
+    print(f"{name}: hosts {hosts}, accuracy {ranks[0]['test_accuracy']:.4f}, weights' max "
+          f"difference {ranks[0]['weights_max_diff']}")  # fmt: skip
+
+
+def test_two_nodes_train_exactly_as_one_node_does(finished):
+    """Horovod over Gloo across nodes, over MPI, and on one node: the same sums, same model."""
+    one = finished["one-node"]["ranks"]
+    assert [r["hostname"] for r in one] == [one[0]["hostname"]] * 2
+    accuracy = {k: finished[k]["ranks"][0]["test_accuracy"] for k in ("one-node", "gloo", "mpi")}
+    assert len(set(accuracy.values())) == 1, accuracy
+    jax = finished["jax"]["ranks"][0]["test_accuracy"]
+    assert abs(jax - accuracy["gloo"]) < 0.03, (jax, accuracy)  # another engine's arithmetic
+
+
+def _tagged(marker: str) -> list[int]:
+    needle = marker.encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit():
+                continue
+            alive = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] not in "ZX"
+            if alive and needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_scancel_ends_every_rank(slurm, env, tmp_path):
+    marker = f"KMP_SLURM_TEST_JOB=cancel-{tmp_path.name}"
+    job_env = {**env, marker.split("=")[0]: marker.split("=")[1]}
+    args = [*train(tmp_path, "cancel"), "--epochs", "500"]
+    job = submit(tmp_path, "cancel", ["--nodes=2", "--ntasks-per-node=1"], args, job_env)
+    ckpt = tmp_path / "cancel-ckpt"
+    deadline = time.monotonic() + 180
+    while not (ckpt.is_dir() and any(ckpt.iterdir())) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    running = _tagged(marker)
+    assert len(running) >= 3, "the batch script and two ranks should run"  # launcher + srun too
+    on_h1("scancel", job)
+    deadline = time.monotonic() + 30
+    while _tagged(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _tagged(marker) == [], "scancel left processes of the job running"
+    assert wait(job, timeout=30)["JobState"] == "CANCELLED"
+
+
+def test_a_failed_node_requeues_the_job_which_resumes_exactly(slurm, env, finished, tmp_path):
+    """The network link of one of the job's nodes goes down mid-training (a dead node, as the
+    other nodes see it). SLURM marks it DOWN, requeues the job, and runs it again on the two
+    nodes left; the job resumes from its last checkpoint and ends where the run that never
+    failed ended."""
+    launch = ["--gloo-timeout", "300", *train(tmp_path, "requeue")]
+    sbatch = ["--nodes=2", "--ntasks-per-node=1", "--requeue", "--open-mode=append"]
+    job = submit(tmp_path, "requeue", sbatch, launch, env)
+    first = wait(job, until=lambda i: i["JobState"] == "RUNNING")
+    nodes = on_h1("scontrol", "show", "hostnames", first["NodeList"]).split()
+    ckpt = tmp_path / "requeue-ckpt"
+    deadline = time.monotonic() + 240
+    while not (ckpt / "ckpt-0003.keras").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    failed = nodes[-1]
+    subprocess.run(["ip", "netns", "exec", f"{NAME}-{failed}", "ip", "link", "set", "eth0",
+                    "down"], check=True)  # fmt: skip
+    t_fail = time.time()
+    requeued = wait(job, until=lambda i: int(i.get("Restarts", 0)) >= 1, timeout=120)
+    t_requeue = time.time()
+    info = wait(job)
+    log = (tmp_path / "requeue.out").read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{log[-6000:]}"
+    second = on_h1("scontrol", "show", "hostnames", info["NodeList"]).split()
+    assert failed not in second and len(second) == 2
+    ranks = summaries(tmp_path, "requeue", 2)
+    resumed = ranks[0]["resumed_from"]
+    assert resumed and 3 <= ranks[0]["initial_epoch"] < EPOCHS, ranks[0]
+    assert all(r["weights_max_diff"] == 0.0 for r in ranks)
+    reference = finished["gloo"]["ranks"][0]
+    assert ranks[0]["test_accuracy"] == reference["test_accuracy"]  # exact resume
+    restarted = [float(line.split()[-1]) for line in log.splitlines() if line.startswith("run 1 ")]
+    print(
+        f"requeue: {nodes} -> link of {failed} down at 0 s; requeued "
+        f"(Restarts={requeued['Restarts']}) at +{t_requeue - t_fail:.0f} s; run 1 started at "
+        f"+{restarted[0] - t_fail:.0f} s on {second}, resumed from epoch "
+        f"{ranks[0]['initial_epoch']}; test accuracy {ranks[0]['test_accuracy']:.4f} "
+        f"(never-failed run: {reference['test_accuracy']:.4f})"
+    )
