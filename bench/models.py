@@ -176,3 +176,33 @@ def batch(
         return tokens[:, :-1], tokens[:, 1:]
     x = rng.random((batch_size, *input_shape(name, image_size)), dtype=np.float32)
     return x, rng.integers(0, num_classes, batch_size).astype("int32")
+
+
+def compiled(name: str, policy: str, batch_size: int, warmup: int = 2):
+    """``kmp.enable(policy)``, model ``name`` compiled with kmp's wrapped SGD, a batch, warmed up.
+
+    The set-up the timing benchmarks share: ``warmup`` steps trace, build and warm the
+    model before anything is measured. The float16-on-CPU warning is silenced (measuring
+    that policy is the point).
+
+    Returns:
+        ``(model, x, y, choice)``, ``choice`` being what :func:`kmp.enable` returned.
+    """
+    import warnings
+
+    import keras
+
+    import kmp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        choice = kmp.enable(policy)
+    model = build(name)
+    model.compile(
+        optimizer=kmp.wrap_optimizer(keras.optimizers.SGD(0.01)),
+        loss="sparse_categorical_crossentropy",
+    )
+    x, y = batch(name, batch_size)
+    for _ in range(warmup):
+        model.train_on_batch(x, y)
+    return model, x, y, choice

@@ -23,7 +23,6 @@ import gc
 import os
 import sys
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,17 +56,7 @@ def time_policy(
 
     keras.backend.clear_session()
     gc.collect()  # the previous policy's model, so its collection does not land in our timing
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # float16-on-CPU warning: measuring it is the point
-        choice = kmp.enable(policy)
-    model = models.build(model_name)
-    model.compile(
-        optimizer=kmp.wrap_optimizer(keras.optimizers.SGD(0.01)),
-        loss="sparse_categorical_crossentropy",
-    )
-    x, y = models.batch(model_name, batch)
-    model.train_on_batch(x, y)  # trace and warm up
-    model.train_on_batch(x, y)
+    model, x, y, choice = models.compiled(model_name, policy, batch)  # traced and warmed up
     gc.collect()
     gc.disable()  # as timeit does: no collector pauses inside the timed steps
     try:

@@ -25,7 +25,6 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,23 +93,12 @@ def _op_stats(logdir: str) -> list[dict]:
 
 def profile(model_name: str, policy: str, steps: int, batch: int) -> dict:
     """Profile ``steps`` training steps of ``model_name`` under ``policy``."""
-    import keras
     import tensorflow as tf
 
     import kmp
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        kmp.enable(policy)
     try:
-        model = models.build(model_name)
-        model.compile(
-            optimizer=kmp.wrap_optimizer(keras.optimizers.SGD(0.01)),
-            loss="sparse_categorical_crossentropy",
-        )
-        x, y = models.batch(model_name, batch)
-        for _ in range(3):  # trace, build, warm up
-            model.train_on_batch(x, y)
+        model, x, y, _ = models.compiled(model_name, policy, batch, warmup=3)
         with tempfile.TemporaryDirectory(prefix="kmp-profile-") as logdir:
             tf.profiler.experimental.start(logdir)
             start = time.perf_counter()

@@ -133,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
                     for h in info["hosts"]
                 ]  # fmt: skip
                 print(format_table(rows))
+                if info.get("slurm"):
+                    daemons = ", ".join(
+                        f"{k} {'up' if alive else 'DOWN'}" for k, alive in info["slurm"].items()
+                    )
+                    print(f"SLURM: {daemons}")
             return 0 if info["up"] else 1
         name, command = _split_exec(args.name, list(args.command))
         return ops.exec_on(name, args.host, command)
