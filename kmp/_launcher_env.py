@@ -77,14 +77,16 @@ LAUNCH_SIZE_VARS: tuple[str, ...] = (
     "MV2_COMM_WORLD_SIZE",
 )
 
-# ... the global rank (the JAX engine's process id), in the same order plus SLURM srun.
+# ... the global rank (the JAX engine's process id), in the same order, then kmp's own
+# launchers, then SLURM srun. kmp's come before SLURM's: a process kmp starts inside a
+# SLURM job inherits the job's SLURM_PROCID (0 in a batch script) and must not read it.
 LAUNCH_RANK_VARS: tuple[str, ...] = (
     "HOROVOD_RANK",
     "OMPI_COMM_WORLD_RANK",
     "PMI_RANK",
     "MV2_COMM_WORLD_RANK",
-    "SLURM_PROCID",
     "KMP_RANK",
+    "SLURM_PROCID",
 )
 
 # ... the number of processes on this host.
@@ -93,8 +95,8 @@ LOCAL_SIZE_VARS: tuple[str, ...] = (
     "OMPI_COMM_WORLD_LOCAL_SIZE",
     "MPI_LOCALNRANKS",
     "MV2_COMM_WORLD_LOCAL_SIZE",
-    "SLURM_NTASKS_PER_NODE",
     "KMP_LOCAL_SIZE",
+    "SLURM_NTASKS_PER_NODE",
 )
 
 # ... which host this is and how many hosts there are (horovodrun).
@@ -102,14 +104,15 @@ CROSS_RANK_VARS: tuple[str, ...] = ("HOROVOD_CROSS_RANK",)
 CROSS_SIZE_VARS: tuple[str, ...] = ("HOROVOD_CROSS_SIZE",)
 
 # Environment variables through which launchers announce the local rank, in the
-# order they are checked: horovodrun, Open MPI, MPICH / Intel MPI, MVAPICH, SLURM srun.
+# order they are checked: horovodrun, Open MPI, MPICH / Intel MPI, MVAPICH, kmp's own
+# launchers, SLURM srun.
 LOCAL_RANK_VARS: tuple[str, ...] = (
     "HOROVOD_LOCAL_RANK",
     "OMPI_COMM_WORLD_LOCAL_RANK",
     "MPI_LOCALRANKID",
     "MV2_COMM_WORLD_LOCAL_RANK",
-    "SLURM_LOCALID",
     "KMP_LOCAL_RANK",
+    "SLURM_LOCALID",
 )
 
 

@@ -59,10 +59,14 @@ def script(tmp_path) -> Path:
 
 @pytest.fixture(autouse=True)
 def _reset_keras_global_state(monkeypatch):
-    """Every test starts and ends with Keras's default float32 policy and no KMP_POLICY."""
+    """Every test starts and ends with Keras's default float32 policy, no KMP_POLICY and
+    outside any SLURM allocation."""
     import keras
 
     monkeypatch.delenv("KMP_POLICY", raising=False)
+    for key in ("SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_ID"):
+        # Run inside a SLURM job, `kmp launch -np N` would start its ranks with srun.
+        monkeypatch.delenv(key, raising=False)
     keras.config.set_dtype_policy("float32")
     yield
     keras.config.set_dtype_policy("float32")

@@ -28,7 +28,6 @@ file (``kmp cluster exec`` sets it), e.g.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -58,6 +57,7 @@ TOOLS = {
     "/usr/sbin/slurmctld": "slurmctld",
     "/usr/sbin/slurmd": "slurmd",
     "/usr/bin/sinfo": "slurm-client",
+    "/usr/bin/sbatch": "slurm-client",
     "/usr/sbin/munged": "munge",
     "/usr/sbin/mungekey": "munge",
 }
@@ -131,7 +131,7 @@ def mpi_conf(plan: cp.ClusterPlan, host: cp.HostPlan) -> str:
 
 def require_slurm() -> None:
     """Check that SLURM's and munge's programs are installed, with what to do if not."""
-    missing = sorted({pkg for path, pkg in TOOLS.items() if not os.access(path, os.X_OK)})
+    missing = _missing()
     if missing:
         raise ClusterError(
             f"kmp cluster up --slurm needs {', '.join(missing)}, which are not installed. "
@@ -239,4 +239,9 @@ def daemons(state: dict[str, Any]) -> dict[str, bool]:
 
 def have_slurm() -> bool:
     """True when SLURM and munge are installed here (what ``up --slurm`` needs)."""
-    return all(os.access(p, os.X_OK) for p in TOOLS) and shutil.which("sbatch") is not None
+    return not _missing()
+
+
+def _missing() -> list[str]:
+    """The packages of :data:`TOOLS` whose programs are not installed."""
+    return sorted({pkg for path, pkg in TOOLS.items() if not os.access(path, os.X_OK)})

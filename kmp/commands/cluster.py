@@ -79,7 +79,8 @@ def _print_up(plan: cp.ClusterPlan) -> None:
     if plan.slurm:
         print(
             f"SLURM is up (slurmctld on {plan.hosts[0].name}): kmp cluster exec "
-            f"{plan.hosts[0].name} --name {plan.name} -- sbatch -N2 launch/slurm.sbatch"
+            f"{plan.hosts[0].name} --name {plan.name} -- sbatch -N2 --ntasks-per-node=1 "
+            "--gpus-per-node=0 --cpus-per-task=1 launch/slurm.sbatch"
         )
 
 

@@ -163,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.dry_run:
         print(format_command(plan))
+        if plan.rendezvous:
+            print("kmp launch: the Gloo rendezvous variables are added when the job runs.",
+                  file=sys.stderr)  # fmt: skip
         return 0
     return execute(plan, check_hosts=not args.no_preflight)
 

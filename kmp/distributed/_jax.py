@@ -119,6 +119,9 @@ def start(
             process_id=process_id,
             initialization_timeout=timeout_s,
             local_device_ids=None if local_device is None else [local_device],
+            # kmp's launcher said who is who: JAX must not also read SLURM's or MPI's
+            # variables (under srun it would take one GPU per node by SLURM_LOCALID).
+            cluster_detection_method="deactivate",
         )
     except Exception as exc:  # XlaRuntimeError, DEADLINE_EXCEEDED, address in use, ...
         raise RuntimeError(

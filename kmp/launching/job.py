@@ -20,6 +20,7 @@ job's arguments from :mod:`kmp.launching.elastic`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -248,7 +249,10 @@ def build_command(
         if not HOST_RE.match(nic) or len(nic) > 15:
             raise LaunchError(f"--network-interface {nic!r} is not an interface name (e.g. eth0).")
     if allocation is not None:
-        return _srun_plan(np, hosts, command, env, python, controller, engine, nics, gloo_timeout)
+        cpus = environ.get("SLURM_CPUS_PER_TASK")
+        return _srun_plan(
+            np, hosts, command, env, python, controller, engine, nics, gloo_timeout, cpus
+        )
     local = local_argv(engine, hosts, np, python, command)
     if local is not None:  # a JAX job on this machine: kmp's own launcher, no horovodrun
         return LaunchPlan(argv=local, env=env, horovodrun=False)
@@ -323,9 +327,17 @@ def _srun_plan(
     engine: str,
     nics: Sequence[str],
     gloo_timeout: int | None,
+    cpus_per_task: str | None,
 ) -> LaunchPlan:
     """The plan of a job that ``srun`` starts on the allocation (:mod:`kmp.launching.slurm`)."""
-    argv = slurm.srun_argv(np, hosts, command, python=python, controller=controller)
+    if len(nics) > 1:
+        raise LaunchError(
+            f"--network-interface {','.join(nics)}: a job srun starts takes one interface "
+            "(Gloo's and MPI's), the one the nodes reach each other on; pass one."
+        )
+    argv = slurm.srun_argv(
+        np, hosts, command, python=python, controller=controller, cpus_per_task=cpus_per_task
+    )
     used = slurm.fill(hosts, np)
     env = {**env, slurm.HOSTS_VAR: ",".join(str(h) for h in used)}
     if gloo_timeout is not None:
@@ -381,7 +393,22 @@ def execute(plan: LaunchPlan, *, check_hosts: bool = True) -> int:
         )
         return 127
     env = {**os.environ, **plan.env}
+    if plan.argv[0] == "srun" and shutil.which("srun") is None:
+        print(
+            "kmp launch: error: this runs in a SLURM allocation, but `srun` is not on PATH "
+            "here (a container?): make SLURM's commands available, or pass -H/--hostfile.",
+            file=sys.stderr,
+        )
+        return 127
     if not plan.rendezvous:
         return run_forwarding_signals(plan.argv, env)
-    with slurm.gloo_rendezvous(plan.rendezvous, plan.interface) as gloo:
+    with contextlib.ExitStack() as stack:
+        try:
+            gloo = stack.enter_context(slurm.gloo_rendezvous(plan.rendezvous, plan.interface))
+        except (ImportError, LaunchError) as exc:
+            from kmp._imports import INSTALL_HINTS
+
+            hint = INSTALL_HINTS["horovod"] if isinstance(exc, ImportError) else ""
+            print(f"kmp launch: error: {exc} {hint}".rstrip(), file=sys.stderr)
+            return 2
         return run_forwarding_signals(plan.argv, {**env, **gloo})

@@ -31,8 +31,8 @@ import socket
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 
-from kmp._launcher_env import launched_engine
-from kmp.launching.hosts import Host, LaunchError, parse_hosts
+from kmp._launcher_env import LOCAL_RUN_VARS, launched_engine
+from kmp.launching.hosts import Host, LaunchError, check_count, parse_hosts
 
 __all__ = [
     "HOSTS_VAR",
@@ -49,6 +49,8 @@ __all__ = [
 
 MODULE = "kmp.launching.slurm"
 HOSTS_VAR = "KMP_SLURM_HOSTS"  # the job's hosts and slots, for each task's rank
+# salloc's shell under LaunchParameters=use_interactive_step is this step, not a rank.
+INTERACTIVE_STEP = "4294967290"
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 _COUNT = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
@@ -137,7 +139,7 @@ def allocation_hosts(environ: Mapping[str, str]) -> list[Host] | None:
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if not nodelist:
         return None
-    if environ.get("SLURM_STEP_ID") is not None:
+    if environ.get("SLURM_STEP_ID") not in (None, INTERACTIVE_STEP):
         raise LaunchError(
             f"kmp launch runs inside an srun step (SLURM_STEP_ID={environ['SLURM_STEP_ID']}): "
             "run it once, in the batch script or the salloc shell, not under srun; it starts "
@@ -165,16 +167,31 @@ def srun_argv(
     *,
     python: str,
     controller: str | None = None,
+    cpus_per_task: str | None = None,
 ) -> tuple[str, ...]:
     """The ``srun`` command that starts ``np`` ranks on the allocation (pure).
 
-    Ranks fill the hosts in order, as ``horovodrun`` places them (``--distribution=block``);
-    one rank that fails ends the step (``--kill-on-bad-exit``). With ``controller="mpi"``
-    Open MPI starts through SLURM's PMIx (``--mpi=pmix``), else SLURM starts plain tasks.
+    Ranks fill the hosts in order, as ``horovodrun`` places them: the layout is
+    pinned (``--nodes``, ``--ntasks-per-node``, ``--distribution=block``), not left to
+    srun's defaults, which follow the job's options. One rank that fails ends the step
+    (``--kill-on-bad-exit``). With ``controller="mpi"`` Open MPI starts through
+    SLURM's PMIx (``--mpi=pmix``), else SLURM starts plain tasks.
+
+    Args:
+        np: The number of ranks, at most the allocation's tasks.
+        hosts: The allocation's hosts, one slot per task (:func:`allocation_hosts`).
+        command: What each rank runs (after this module has set its rank).
+        python: The interpreter that runs this module on each node.
+        controller: ``"mpi"`` for Horovod over MPI; anything else starts plain tasks.
+        cpus_per_task: The job's ``SLURM_CPUS_PER_TASK``, passed on (srun does not
+            inherit it since SLURM 22.05).
 
     Raises:
-        LaunchError: ``np`` above the allocation's tasks.
+        LaunchError: ``np`` is not a positive integer or is above the allocation's
+            tasks, or the ranks cannot fill the nodes in order with the same number
+            of tasks on each (an uneven allocation such as ``1,3``).
     """
+    check_count(np, "-np")
     total = sum(h.slots for h in hosts)
     if np > total:
         listed = ",".join(str(h) for h in hosts)
@@ -182,23 +199,30 @@ def srun_argv(
             f"-np {np} is more than the {total} task(s) of this SLURM allocation ({listed}): "
             "ask SLURM for more (sbatch --ntasks-per-node / --nodes) or lower -np."
         )
+    used = fill(hosts, np)
+    per_node = max(h.slots for h in used)
+    if any(h.slots != per_node for h in used[:-1]):
+        layout = ",".join(str(h) for h in used)
+        raise LaunchError(
+            f"the ranks would fill this allocation's nodes unevenly ({layout}), which srun "
+            "cannot be told to repeat: ask SLURM for the same tasks on every node "
+            "(sbatch --ntasks-per-node), or pass -H/--hostfile to start the ranks over ssh."
+        )
+    argv = ["srun", f"--nodes={len(used)}", f"--ntasks={np}", f"--ntasks-per-node={per_node}"]
+    if cpus_per_task:
+        argv.append(f"--cpus-per-task={cpus_per_task}")
     mpi = "pmix" if controller == "mpi" else "none"
-    return (
-        "srun",
-        f"--ntasks={np}",
-        "--distribution=block",
-        "--kill-on-bad-exit=1",
-        f"--mpi={mpi}",
-        python,
-        "-m",
-        MODULE,
-        "--",
-        *command,
-    )
+    argv += ["--distribution=block", "--kill-on-bad-exit=1", "--export=ALL", f"--mpi={mpi}"]
+    return (*argv, python, "-m", MODULE, "--", *command)
 
 
 def fill(hosts: Sequence[Host], np: int) -> tuple[Host, ...]:
-    """The hosts that ``np`` ranks use when they fill ``hosts`` in order, with their slots."""
+    """The hosts that ``np`` ranks use when they fill ``hosts`` in order, with their slots.
+
+    Args:
+        hosts: The hosts, in order.
+        np: The number of ranks (at most the hosts' slots).
+    """
     used, left = [], np
     for h in hosts:
         if left <= 0:
@@ -211,11 +235,19 @@ def fill(hosts: Sequence[Host], np: int) -> tuple[Host, ...]:
 def slot(hosts: Sequence[Host], rank: int) -> dict[str, int | str]:
     """Where rank ``rank`` runs when ranks fill ``hosts`` in order (as Horovod assigns them).
 
+    Args:
+        hosts: The job's hosts, one slot per rank.
+        rank: The global rank, from 0.
+
+    Raises:
+        LaunchError: ``rank`` is not an integer in ``[0, slots)``.
+
     Returns:
         ``host``, ``rank``, ``size``, ``local_rank``, ``local_size``, ``cross_rank``
         (this host among the hosts that have this local rank) and ``cross_size``.
     """
     size = sum(h.slots for h in hosts)
+    check_count(rank, "the rank", minimum=0)
     if not 0 <= rank < size:
         raise LaunchError(f"rank {rank} is outside the job's {size} slots.")
     first = 0
@@ -265,16 +297,15 @@ def task_env(environ: Mapping[str, str]) -> dict[str, str]:
             f"places it on {where['host']} as local rank {where['local_rank']}: start the job "
             "with kmp launch, which passes srun --distribution=block."
         )
-    if launched_engine(environ) == "jax":
-        keys = {"rank": "KMP_RANK", "size": "KMP_SIZE", "local_rank": "KMP_LOCAL_RANK",
-                "local_size": "KMP_LOCAL_SIZE"}  # fmt: skip
+    if launched_engine(environ) == "jax":  # the variables kmp's own launchers set
+        keys = dict(zip(("rank", "size", "local_rank", "local_size"), LOCAL_RUN_VARS, strict=True))
     else:
         keys = {k: f"HOROVOD_{k.upper()}" for k in where if k != "host"}
         keys["host"] = "HOROVOD_HOSTNAME"
     return {var: str(where[k]) for k, var in keys.items()}
 
 
-def _address(nic: str | None) -> str:
+def _address(nic: str | None, hosts: Sequence[Host]) -> str:
     """This node's address for the other nodes: ``nic``'s IPv4 address, or its host name's."""
     if nic:
         import psutil
@@ -283,7 +314,15 @@ def _address(nic: str | None) -> str:
             if addr.family == socket.AF_INET:
                 return addr.address
         raise LaunchError(f"--network-interface {nic}: no IPv4 address on this node.")
-    return socket.gethostbyname(socket.gethostname())
+    name = socket.gethostname()
+    address = socket.gethostbyname(name)
+    others = {h.name for h in hosts} - {name, "localhost"}
+    if address.startswith("127.") and others:
+        raise LaunchError(
+            f"this node's name ({name}) resolves to {address}, which the other nodes cannot "
+            "reach: pass --network-interface with the interface they reach it on (e.g. ib0)."
+        )
+    return address
 
 
 @contextlib.contextmanager
@@ -292,6 +331,16 @@ def gloo_rendezvous(hosts: Sequence[Host], nic: str | None = None) -> Iterator[d
 
     The server is Horovod's own (what ``horovodrun`` runs), on this node, told the
     job's layout (one rank per slot of ``hosts``); it stops when the block ends.
+
+    Args:
+        hosts: The hosts the ranks run on, one slot per rank.
+        nic: The interface the other nodes reach this one on (None: the address of
+            this node's name).
+
+    Raises:
+        LaunchError: ``nic`` has no IPv4 address here, or this node's name resolves to a
+            loopback address while other nodes take part.
+        ImportError: Horovod is not installed.
     """
     np = sum(h.slots for h in hosts)
     from horovod.runner.common.util.hosts import get_host_assignments
@@ -304,7 +353,7 @@ def gloo_rendezvous(hosts: Sequence[Host], nic: str | None = None) -> Iterator[d
         layout = horovod_hosts(",".join(str(h) for h in hosts))
         server.init(get_host_assignments(layout, np, np))
         env = {
-            "HOROVOD_GLOO_RENDEZVOUS_ADDR": _address(nic),
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": _address(nic, hosts),
             "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
             "HOROVOD_CONTROLLER": "gloo",
             "HOROVOD_CPU_OPERATIONS": "gloo",

@@ -357,8 +357,7 @@ def test_slurm_sbatch_starts_the_ranks_with_srun(script):
     words = _script_dry_run("slurm.sbatch", str(script), "--epochs", "1", env=env)
     cmd = [w for w in words if not w.split("=")[0].isupper()]  # the variables set first
     assert "KMP_SLURM_HOSTS=gpu01:4,gpu02:4" in words
-    assert cmd[:5] == ["srun", "--ntasks=8", "--distribution=block", "--kill-on-bad-exit=1",
-                       "--mpi=none"]  # fmt: skip
+    assert cmd[:4] == ["srun", "--nodes=2", "--ntasks=8", "--ntasks-per-node=4"]
     assert cmd[-3:] == [str(script), "--epochs", "1"]
 
 

@@ -147,14 +147,32 @@ def test_inside_a_step_kmp_launch_refuses_to_start_ranks_again():
         allocation_hosts({**ALLOCATION, "SLURM_STEP_ID": "0"})
 
 
-def test_srun_starts_one_task_per_rank():
-    argv = srun_argv(3, [Host("n1", 2), Host("n2", 2)], ["py", "t.py"], python="PY")
-    assert argv == ("srun", "--ntasks=3", "--distribution=block", "--kill-on-bad-exit=1",
+def test_srun_pins_the_layout_the_ranks_are_given():
+    """srun would otherwise take -N and --ntasks-per-node from the job: -np 2 on 2x2 tasks
+    would put a rank on each node, where the ranks expect both on the first."""
+    argv = srun_argv(2, [Host("n1", 2), Host("n2", 2)], ["py", "t.py"], python="PY")
+    assert argv == ("srun", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+                    "--distribution=block", "--kill-on-bad-exit=1", "--export=ALL",
                     "--mpi=none", "PY", "-m", "kmp.launching.slurm", "--", "py",
                     "t.py")  # fmt: skip
+    argv = srun_argv(3, [Host("n1", 2), Host("n2", 1)], ["x"], python="PY", cpus_per_task="8")
+    assert argv[1:5] == ("--nodes=2", "--ntasks=3", "--ntasks-per-node=2", "--cpus-per-task=8")
     assert "--mpi=pmix" in srun_argv(2, [Host("n1", 2)], ["x"], python="PY", controller="mpi")
-    with pytest.raises(LaunchError, match="more than the 4 task"):
-        srun_argv(5, [Host("n1", 2), Host("n2", 2)], ["x"], python="PY")
+
+
+@pytest.mark.parametrize(
+    ("np", "hosts", "match"),
+    [(5, [Host("n1", 2), Host("n2", 2)], "more than the 4 task"),
+     (4, [Host("n1", 1), Host("n2", 3)], "unevenly"), ("2", [Host("n1", 2)], "integer")],
+)  # fmt: skip
+def test_what_srun_cannot_start_is_a_clear_error(np, hosts, match):
+    with pytest.raises(LaunchError, match=match):
+        srun_argv(np, hosts, ["x"], python="PY")
+
+
+def test_salloc_s_interactive_step_may_launch():
+    interactive = {**ALLOCATION, "SLURM_STEP_ID": "4294967290"}
+    assert allocation_hosts(interactive) == [Host("n1", 2), Host("n2", 2)]
 
 
 @pytest.fixture
@@ -177,10 +195,11 @@ def test_kmp_launch_in_a_job_takes_the_allocation(in_job, capsys, tmp_path):
     script = tmp_path / "t.py"
     script.write_text("")
     env, argv = dry_run(capsys, str(script))  # no -np, no hosts: the allocation's 4 tasks
-    assert argv[:2] == ["srun", "--ntasks=4"] and argv[-2:] == [sys.executable, str(script)]
+    assert argv[:3] == ["srun", "--nodes=2", "--ntasks=4"]
+    assert argv[-2:] == [sys.executable, str(script)]
     assert env[HOSTS_VAR] == "n1:2,n2:2"
     env, argv = dry_run(capsys, "-np", "3", "--engine", "jax", str(script))
-    assert argv[1] == "--ntasks=3" and env[HOSTS_VAR] == "n1:2,n2:1"
+    assert argv[2] == "--ntasks=3" and env[HOSTS_VAR] == "n1:2,n2:1"
     assert env["KMP_COORDINATOR"].startswith("n1:")  # rank 0's node runs the coordinator
     env, argv = dry_run(capsys, "--mpi", "--network-interface", "eth0", str(script))
     assert "--mpi=pmix" in argv and env["HOROVOD_CONTROLLER"] == "mpi"
