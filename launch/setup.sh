@@ -84,14 +84,24 @@ system_packages() {
   fi
   local t0=$SECONDS
   log "installing system packages: ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null || true
   # Optional packages: a failed install is reported and the tests that need them skip.
-  if DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null &&
-     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-       "${missing[@]}" >/dev/null; then
-    log "system packages installed in $((SECONDS - t0)) s"
-  else
-    log "could not install ${missing[*]} (apt-get failed): multi-host and MPI tests will skip"
-  fi
+  # SLURM's go apart, so that a failure of theirs cannot take ssh or MPI with it.
+  local base=() slurm=() pkg
+  for pkg in "${missing[@]}"; do
+    case "$pkg" in slurm*|munge) slurm+=("$pkg") ;; *) base+=("$pkg") ;; esac
+  done
+  local group
+  for group in base slurm; do
+    local -n pkgs="$group"
+    [ "${#pkgs[@]}" -eq 0 ] && continue
+    if DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+         "${pkgs[@]}" >/dev/null; then
+      log "installed ${pkgs[*]} ($((SECONDS - t0)) s so far)"
+    else
+      log "could not install ${pkgs[*]} (apt-get failed): the tests that need them will skip"
+    fi
+  done
 }
 
 system_packages
