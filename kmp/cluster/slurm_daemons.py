@@ -184,13 +184,14 @@ def node_states(plan: cp.ClusterPlan) -> dict[str, str]:
 def start(plan: cp.ClusterPlan, state: dict[str, Any], timeout_s: float = READY_S) -> None:
     """Start munged, slurmctld and slurmd; return once every node is idle.
 
-    Each pid is recorded in ``state["slurm"]`` before the next step.
+    Each pid is recorded in ``state["slurm"]`` before the next step. The caller has
+    checked the programs (:func:`require_slurm`, which ``ops.up`` runs before it makes
+    anything).
 
     Raises:
         ClusterError: A daemon that exits or a node that is not idle within ``timeout_s``,
             with the end of its log.
     """
-    require_slurm()
     s = slurm_dir(plan)
     state["slurm"] = {}
     save_state(plan, state)

@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             hosts = None
         allocation = None
-        if hosts is None and not args.hostfile and (args.np or 2) > 1:
+        if hosts is None and not args.hostfile and args.np != 1:
             allocation = allocation_hosts(os.environ)  # None outside SLURM
         listed = hosts if allocation is None else allocation
         if args.np is None and listed is None and elastic is None:

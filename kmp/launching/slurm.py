@@ -254,7 +254,6 @@ def slot(hosts: Sequence[Host], rank: int) -> dict[str, int | str]:
     for index, host in enumerate(hosts):
         if rank < first + host.slots:
             local = rank - first
-            with_local = [h for h in hosts if h.slots > local]
             return {
                 "host": host.name,
                 "rank": rank,
@@ -262,7 +261,7 @@ def slot(hosts: Sequence[Host], rank: int) -> dict[str, int | str]:
                 "local_rank": local,
                 "local_size": host.slots,
                 "cross_rank": sum(1 for h in hosts[:index] if h.slots > local),
-                "cross_size": len(with_local),
+                "cross_size": sum(1 for h in hosts if h.slots > local),
             }
         first += host.slots
     raise AssertionError("unreachable")  # pragma: no cover
@@ -347,13 +346,14 @@ def gloo_rendezvous(hosts: Sequence[Host], nic: str | None = None) -> Iterator[d
     from horovod.runner.common.util.hosts import parse_hosts as horovod_hosts
     from horovod.runner.http.http_server import RendezvousServer
 
+    address = _address(nic, hosts)  # before the server: a bad address starts nothing
     server = RendezvousServer()
     port = server.start()
     try:
         layout = horovod_hosts(",".join(str(h) for h in hosts))
         server.init(get_host_assignments(layout, np, np))
         env = {
-            "HOROVOD_GLOO_RENDEZVOUS_ADDR": _address(nic, hosts),
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": address,
             "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
             "HOROVOD_CONTROLLER": "gloo",
             "HOROVOD_CPU_OPERATIONS": "gloo",

@@ -104,7 +104,12 @@ def leftovers(name: str = NAME) -> list[str]:
 
 def _tagged_pids(name: str) -> list[int]:
     """Live processes whose environment carries the test tag (jobs, ranks, their children)."""
-    needle = f"{TAG}={name}".encode()
+    return pids_with_env(f"{TAG}={name}")
+
+
+def pids_with_env(entry: str) -> list[int]:
+    """Live processes (this one aside) whose environment holds ``entry`` (``NAME=value``)."""
+    needle = entry.encode()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():

@@ -28,6 +28,7 @@ from tests.cluster._cluster_harness import (
     cluster,
     digits_env,
     on_host,
+    pids_with_env,
     requires_cluster,
 )
 
@@ -153,21 +154,6 @@ def test_two_nodes_train_exactly_as_one_node_does(finished):
     assert abs(jax - accuracy["gloo"]) < 0.03, (jax, accuracy)  # another engine's arithmetic
 
 
-def _tagged(marker: str) -> list[int]:
-    needle = marker.encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit():
-                continue
-            alive = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0] not in "ZX"
-            if alive and needle in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 def _is_rank(pid: int) -> bool:
     """A training process itself: not the launcher, srun or the task module before it."""
     try:
@@ -186,13 +172,13 @@ def test_scancel_ends_every_rank(slurm, env, tmp_path):
     deadline = time.monotonic() + 180
     while not (ckpt.is_dir() and any(ckpt.iterdir())) and time.monotonic() < deadline:
         time.sleep(0.5)
-    ranks = [p for p in _tagged(marker) if _is_rank(p)]
+    ranks = [p for p in pids_with_env(marker) if _is_rank(p)]
     assert len(ranks) == 2, "one rank on each node should run"
     on_h1("scancel", job)
     deadline = time.monotonic() + 30
-    while _tagged(marker) and time.monotonic() < deadline:
+    while pids_with_env(marker) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _tagged(marker) == [], "scancel left processes of the job running"
+    assert pids_with_env(marker) == [], "scancel left processes of the job running"
     assert wait(job, timeout=30)["JobState"] == "CANCELLED"
 
 
