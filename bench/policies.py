@@ -1,10 +1,10 @@
 """Training throughput of each model under each dtype policy, in one run.
 
-    .venv/bin/python bench/policies.py [--models cnn,mlp] [--steps 12] [--min-seconds 8]
+    .venv/bin/python bench/policies.py [--models cnn,mlp,gpt] [--steps 12] [--min-seconds 8]
         [--rounds 3] [--quick]
 
-For each model of ``models.py`` named in ``--models`` (default: the small CNN
-and the MLP; the token models such as ``gpt`` too), every policy (float32,
+For each model of ``models.py`` named in ``--models`` (default: the small CNN,
+the MLP and the byte-level GPT, a token model), every policy (float32,
 mixed_bfloat16, mixed_float16, bfloat16 weights with kmp's compensated updates, and
 "auto") trains the same architecture, compiled
 the kmp way (``kmp.float32_outputs`` and ``kmp.wrap_optimizer(SGD)``, so float16
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument(
-        "--models", default="cnn,mlp", help=f"comma-separated: {', '.join(models.MODELS)}"
+        "--models", default="cnn,mlp,gpt", help=f"comma-separated: {', '.join(models.MODELS)}"
     )
     parser.add_argument("--quick", action="store_true", help="2 steps, 1 round, batch 8")
     args = parser.parse_args(argv)

@@ -32,6 +32,7 @@ from targets import Target, judge  # noqa: E402  (bench/'s siblings import by na
 # The parts' output names (NAME.json, or NAME_quick.json for some scripts under --quick).
 RESULT_NAMES = {
     "policies": "policies",
+    "profile": "step_profile",
     "overhead": "overhead",
     "allreduce": "allreduce",
     "memory": "memory",
@@ -73,10 +74,18 @@ def plan(args: argparse.Namespace) -> list[Part]:
     for name in args.parts:
         if name == "policies":
             argv = ["--quick"] if quick else []
-            argv += ["--models", model or ("cnn" if quick else "cnn,mlp")]
+            argv += ["--models", model or ("cnn" if quick else "cnn,mlp,gpt")]
             if not quick:
                 argv += _opt("--steps", steps) + _opt("--batch", batch)
             parts.append(Part(name, "policies.py", tuple(argv)))
+        elif name == "profile":  # TensorFlow's op time per kind: where the 16-bit gain stops
+            if quick:
+                argv = ["--models", "mlp", "--policies", "float32,mixed_bfloat16"]
+                argv += ["--steps", "1", "--batch", "8"]
+            else:
+                argv = ["--models", model or "mlp,gpt"]
+                argv += _opt("--steps", steps) + _opt("--batch", batch)
+            parts.append(Part(name, "step_profile.py", tuple(argv)))
         elif name == "overhead":
             if quick:
                 argv = ["--model", model or "digits_cnn", "--steps", "2", "--repeats", "1"]

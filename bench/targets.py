@@ -87,6 +87,79 @@ def target_auto(results: dict) -> list[Target]:
     return [speed, near]
 
 
+SIXTEEN_BIT = ("mixed_bfloat16", "bfloat16", "mixed_float16")
+BEST16_MODELS = {"mlp": "MLP", "gpt": "GPT"}
+BEST16_GOAL = 1.8
+
+
+def _profile_cause(profile: dict | None, model: str, policy: str) -> str:
+    """Where the 16-bit gain stopped, from the ``profile`` part's op times (pure).
+
+    Quotes the matrix products' gain, the casts added and the other ops' gain against
+    float32, and the most the step could gain were the products twice as fast and the
+    rest unchanged (Amdahl), or "" when this run did not profile ``model`` and ``policy``.
+    """
+    runs = {(r["model"], r["policy"]): r for r in (profile or {}).get("runs", [])}
+    ref, mine = runs.get((model, "float32")), runs.get((model, policy))
+    if not ref or not mine or not ref["op_ms"] or not mine["kinds_ms"]["matmul"]:
+        return ""
+    k0, k1 = ref["kinds_ms"], mine["kinds_ms"]
+    share = k0["matmul"] / ref["op_ms"]
+    rest0 = ref["op_ms"] - k0["matmul"] - k0["cast"]
+    rest1 = mine["op_ms"] - k1["matmul"] - k1["cast"]
+    rest = f"{rest0:.1f} -> {rest1:.1f} ms ({rest0 / rest1:.2f}x)" if rest1 > 0 else "none"
+    return (
+        f" TensorFlow's op time per step (profile part, {policy}): matrix products "
+        f"{k0['matmul']:.1f} -> {k1['matmul']:.1f} ms ({k0['matmul'] / k1['matmul']:.2f}x), "
+        f"casts +{k1['cast'] - k0['cast']:.1f} ms, the other ops {rest}; the products are "
+        f"{share:.0%} of float32's op time, so products twice as fast and the rest unchanged "
+        f"give at most {1 / (share / 2 + 1 - share):.2f}x."
+    )
+
+
+def target_best16(results: dict) -> list[Target]:
+    """The best 16-bit policy >= 1.8x float32 on the MLP and the GPT (issue 44, target 3).
+
+    Judged on the backend the ``policies`` part ran on; a miss quotes the ``profile``
+    part's split of the step (TensorFlow), or names the cause the run's machine gives.
+    """
+    res = results.get("policies") or {}
+    backend = res.get("backend", "tensorflow")
+    out = []
+    for model, label in BEST16_MODELS.items():
+        t = Target(
+            f"best 16-bit policy vs float32, {label} training throughput ({backend})",
+            f">= {BEST16_GOAL:.2f}x",
+        )
+        out.append(t)
+        figures = (res.get("models") or {}).get(model)
+        ratios = {
+            p: figures[p]["vs_float32"]
+            for p in SIXTEEN_BIT
+            if figures and _finite((figures.get(p) or {}).get("vs_float32"))
+        }
+        if not ratios:
+            continue
+        best = max(ratios, key=ratios.get)
+        t.value, t.passed = ratios[best], ratios[best] >= BEST16_GOAL
+        t.measured = f"{ratios[best]:.2f}x ({best})"
+        if t.passed:
+            continue
+        machine = res.get("machine") or {}
+        if not (machine.get("avx512_bf16") or machine.get("amx")):
+            t.why = "this CPU has no native bfloat16 (no AVX512_BF16/AMX): the goal assumes one."
+        elif backend != "tensorflow":
+            t.why = (
+                f"on the {backend} backend the products are XLA:CPU's kernels, which the "
+                "TensorFlow profile does not see; see docs/performance.md."
+            )
+        else:
+            t.why = f"{best} ran at {ratios[best]:.2f}x float32."
+            t.why += _profile_cause(results.get("profile"), model, best)
+        t.why += _load_note(res)
+    return out
+
+
 def overhead_ratio(res: dict | None) -> float | None:
     """The headline kmp / Keras throughput ratio of ``overhead.json`` (None if absent)."""
     for key in ("ratio", "ratio_best", "ratio_wall_best"):
@@ -324,6 +397,7 @@ target_states = judged_by_part("states")
 
 TARGETS = (
     target_auto,
+    target_best16,
     target_overhead,
     target_scaling,
     target_peers,

@@ -76,7 +76,7 @@ def test_parse_only_defaults_aliases_and_order():
 
 @pytest.mark.parametrize("value", ["speed", ",", "memory,gpu"])
 def test_parse_only_rejects_unknown_parts(value):
-    with pytest.raises(ValueError, match="policies, overhead, allreduce, memory"):
+    with pytest.raises(ValueError, match="policies, profile, overhead, allreduce, memory"):
         bench_cmd.parse_only(value)
 
 
@@ -124,6 +124,7 @@ def test_plan_passes_the_options_to_each_script():
     parts = {p.name: p for p in suite.plan(_args(model="cnn", steps=7, batch=16))}
     assert list(parts) == [
         "policies",
+        "profile",
         "overhead",
         "allreduce",
         "memory",
@@ -139,7 +140,8 @@ def test_plan_passes_the_options_to_each_script():
     assert parts["numerics"].argv == ()  # its own workloads (digits, MNIST-1D, the GPT)
     assert parts["inference"].argv == ("--exports",)  # its own models, trained then served
     for name, part in parts.items():
-        assert (BENCH / part.script).name == ("memory.py" if name == "states" else f"{name}.py")
+        scripts = {"states": "memory.py", "profile": "step_profile.py"}
+        assert (BENCH / part.script).name == scripts.get(name, f"{name}.py")
         if name in ("states", "peers", "numerics", "inference", "engines"):
             continue
         argv = list(part.argv)
@@ -147,6 +149,7 @@ def test_plan_passes_the_options_to_each_script():
         assert argv[argv.index("--batch") + 1] == "16"
     assert parts["allreduce"].argv[:2] == ("--models", "cnn")
     assert "--model" in parts["memory"].argv
+    assert parts["profile"].argv[:2] == ("--models", "cnn")
 
 
 def test_find_result_takes_a_part_written_on_the_jax_backend(tmp_path):
@@ -335,6 +338,47 @@ def test_judge_explains_each_miss():
     memory = by["activation memory, mixed_float16 vs float32"]
     assert memory.result == "missed" and "0.50x" in memory.why
     assert by["compressed allreduce bytes vs float32"].result == "met"
+
+
+def _profiled(model, policy, matmul, cast, op):
+    kinds = {"matmul": matmul, "cast": cast, "variables": 0.0, "other": op - matmul - cast}
+    return {"model": model, "policy": policy, "op_ms": op, "kinds_ms": kinds}
+
+
+def test_best_16_bit_target_judges_the_mlp_and_the_gpt_and_quotes_the_profile():
+    bench_targets = _load("targets")
+    res = _results()
+    res["policies"]["machine"] = {**MACHINE, "avx512_bf16": True}
+    res["policies"]["models"] = {
+        "mlp": {"float32": {"vs_float32": 1.0}, "mixed_bfloat16": {"vs_float32": 1.85},
+                "bfloat16": {"vs_float32": 1.6}, "mixed_float16": {"error": "failed"}},
+        "gpt": {"float32": {"vs_float32": 1.0}, "mixed_bfloat16": {"vs_float32": 1.2},
+                "bfloat16": {"vs_float32": 1.3}},
+    }  # fmt: skip
+    res["profile"] = {
+        "runs": [
+            _profiled("gpt", "float32", 60.0, 0.0, 100.0),
+            _profiled("gpt", "bfloat16", 30.0, 5.0, 75.0),
+        ]
+    }
+    mlp, gpt = bench_targets.target_best16(res)
+    assert mlp.name == "best 16-bit policy vs float32, MLP training throughput (tensorflow)"
+    assert mlp.result == "met" and mlp.measured == "1.85x (mixed_bfloat16)"
+    assert gpt.result == "missed" and math.isclose(gpt.value, 1.3)
+    # products 60 -> 30 ms (2.00x), casts +5, the rest 40 -> 40 ms: Amdahl 1/(0.3 + 0.4)
+    assert "matrix products 60.0 -> 30.0 ms (2.00x)" in gpt.why
+    assert "casts +5.0 ms" in gpt.why and "40.0 -> 40.0 ms (1.00x)" in gpt.why
+    assert "60% of float32's op time" in gpt.why and "at most 1.43x" in gpt.why
+    del res["profile"]  # not profiled in this run: the figure alone, no cause claimed
+    gpt = bench_targets.target_best16(res)[1]
+    assert gpt.why == "bfloat16 ran at 1.30x float32."
+    res["policies"]["machine"] = MACHINE  # no native bfloat16
+    assert "no native bfloat16" in bench_targets.target_best16(res)[1].why
+    res["policies"]["backend"] = "jax"
+    res["policies"]["machine"] = {**MACHINE, "avx512_bf16": True}
+    gpt = bench_targets.target_best16(res)[1]
+    assert gpt.name.endswith("(jax)") and "XLA:CPU" in gpt.why
+    assert [t.result for t in bench_targets.target_best16({})] == ["not run", "not run"]
 
 
 def test_auto_target_names_the_model_when_the_cnn_was_not_run():
@@ -707,9 +751,10 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
         assert fig["step_bytes"] > 0
     assert memory["policies"]["mixed_float16"]["activation_vs_float32"] < 1.0
     targets = {t["name"]: t for t in summary["targets"]}
-    assert len(targets) == 37
+    assert len(targets) == 39
     measured = [t for t in targets.values() if t["result"] != "not run"]
-    # All but the GPU one and the two of the links (not in --quick); of the numerics, the
+    # All but the GPU one, the two of the links and the best 16-bit policy's on the MLP and
+    # the GPT (the quick policies part trains the CNN only); of the numerics, the
     # GPT under mixed_float16 and the ranks' weights (the quick run has only those); of
     # inference's, those of the digits CNN, the MLP and the GPT in bfloat16 and int8 (not
     # ResNet50's or MNIST-1D's) and both exports' sizes; the engines' on the digits CNN;

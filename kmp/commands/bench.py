@@ -12,7 +12,10 @@ started as a child process of this one):
 
 * ``policies``: training throughput under float32, mixed_bfloat16,
   mixed_float16, bfloat16 weights (kmp's compensated updates) and "auto"
-  (``bench/policies.py``);
+  (``bench/policies.py``: the small CNN, the MLP and the byte-level GPT);
+* ``profile``: where a TensorFlow training step's op time goes per policy (matrix
+  products, casts, variables, the rest), for the MLP and the GPT: the share a 16-bit
+  policy cannot speed up (``bench/step_profile.py``);
 * ``overhead``: ``kmp.wrap_optimizer`` against a hand-wired Keras
   ``LossScaleOptimizer`` (``bench/overhead.py``);
 * ``allreduce``: grouped vs per-tensor allreduce with and without fp16/bf16
@@ -63,7 +66,7 @@ from kmp.commands import command_main
 
 __all__ = ["ALIASES", "MODELS", "PARTS", "configure", "find_bench_dir", "main", "run"]
 
-PARTS = ("policies", "overhead", "allreduce", "memory", "states")
+PARTS = ("policies", "profile", "overhead", "allreduce", "memory", "states")
 PARTS += ("peers", "numerics", "inference", "engines")
 # Other names accepted by --only, and the part that measures them.
 ALIASES = {"scaling": "allreduce", "weak_scaling": "allreduce", "policy": "policies"}
