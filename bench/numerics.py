@@ -72,12 +72,18 @@ VS_FLOAT32 = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_options(description: str, policies, workloads) -> argparse.ArgumentParser:
+    """A parser with the options every bench of 2-rank jobs has: seeds, policies, workloads."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--policies", default=",".join(policies))
+    p.add_argument("--workloads", default=",".join(workloads))
     p.add_argument("--np", type=int, default=2, help="ranks per job")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = run_options(__doc__.splitlines()[0], POLICIES, WORKLOADS)
     p.add_argument(
         "--report",
         metavar="NUMERICS_JSON",
@@ -98,15 +104,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def split_lists(
-    p: argparse.ArgumentParser, args: argparse.Namespace, policies
+    p: argparse.ArgumentParser, args: argparse.Namespace, policies, workloads=None
 ) -> argparse.Namespace:
-    """Turn the comma-separated options into lists, each checked against its choices."""
+    """Turn the comma-separated options into lists, each checked against its choices.
+
+    ``workloads`` is the calling bench's workload table (default :data:`WORKLOADS`).
+    """
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     args.policies = [s.strip() for s in args.policies.split(",") if s.strip()]
     args.workloads = [s.strip() for s in args.workloads.split(",") if s.strip()]
     for name, chosen, valid in (
         ("--policies", args.policies, tuple(policies)),
-        ("--workloads", args.workloads, tuple(WORKLOADS)),
+        ("--workloads", args.workloads, tuple(workloads or WORKLOADS)),
     ):
         bad = [c for c in chosen if c not in valid]
         if bad or not chosen:
@@ -119,31 +128,46 @@ def split_lists(
 # ----------------------------------------------------------------------------- runs
 
 
-def train_args(workload: str, policy: str, seed: int, quick: bool) -> list[str]:
+# A variant after "+" that names a loss-scale rule, not a master-weights mode.
+LOSS_SCALE_RULES = ("keras",)
+
+
+def train_args(
+    workload: str, policy: str, seed: int, quick: bool, workloads: dict | None = None
+) -> list[str]:
     """The ``launch/train.py`` arguments of one run.
 
     ``policy`` is a policy name, or ``POLICY+MODE`` for a ``--master-weights`` mode
-    (``bfloat16+kahan``: bench/master_weights.py).
+    (``bfloat16+kahan``: bench/master_weights.py) or a ``--loss-scale-rule``
+    (``mixed_float16+keras``: bench/underflow.py). ``workloads`` is the table the
+    workload is looked up in (default :data:`WORKLOADS`).
     """
-    model, _, extra, quick_extra = WORKLOADS[workload]
+    model, _, extra, quick_extra = (workloads or WORKLOADS)[workload]
     policy, _, mode = policy.partition("+")
     args = ["--model", model, "--policy", policy, "--seed", str(seed), "--verbose", "2"]
-    args += ["--master-weights", mode] if mode else []
+    if mode in LOSS_SCALE_RULES:
+        args += ["--loss-scale-rule", mode]
+    elif mode:
+        args += ["--master-weights", mode]
     return args + list(quick_extra if quick else extra)
 
 
 def run_one(workload: str, policy: str, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
-    """Run one 2-rank job; return its row (raises SystemExit with the log's tail on failure)."""
+    """Run one 2-rank job; return its row (raises SystemExit with the log's tail on failure).
+
+    ``args.workload_table``, when set, is the workload table of the calling bench.
+    """
     from _common import run_train_job
 
     print(f"[numerics] {workload} {policy} seed {seed}", flush=True)
+    table = getattr(args, "workload_table", None)
     s, wall = run_train_job(
-        train_args(workload, policy, seed, args.quick),
+        train_args(workload, policy, seed, args.quick, table),
         args.np,
         tmp / f"{workload}-{policy}-{seed}.json",
         f"bench/numerics.py: {workload} {policy} seed {seed}",
     )
-    metric = WORKLOADS[workload][1]
+    metric = (table or WORKLOADS)[workload][1]
     return {
         "workload": workload,
         "policy": policy,
@@ -190,6 +214,7 @@ def aggregate(rows: list[dict]) -> dict[str, dict[str, dict]]:
                 "loss_scale_end": [r["loss_scale_end"] for r in runs],
                 "weights_max_diff": max(r["weights_max_diff"] for r in runs),
                 "speed": statistics.fmean(r["speed"] for r in runs),
+                "speeds": [r["speed"] for r in runs],
                 "speed_unit": runs[0]["speed_unit"],
             }
         base = out[workload].get("float32")
@@ -310,9 +335,16 @@ def targets_section(result: dict, plot_alt: str) -> list[str]:
 
 
 def markdown(result: dict) -> str:
+    lines = heading(result, "Numerics: mixed precision against float32 on real workloads")
+    lines.append(policy_table(result))
+    lines += targets_section(result, "GPT validation loss per policy")
+    return "\n".join(lines)
+
+
+def policy_table(result: dict) -> str:
+    """The table of every workload and policy: metric, spread, skips, scales, ranks, speed."""
     from _common import markdown_table
 
-    lines = heading(result, "Numerics: mixed precision against float32 on real workloads")
     rows = []
     for workload, by_policy in result["table"].items():
         for policy, f in by_policy.items():
@@ -324,9 +356,7 @@ def markdown(result: dict) -> str:
             ])  # fmt: skip
     headers = ["workload", "policy", "metric", "range", "vs float32", "skipped steps"]
     headers += ["final loss scale", "ranks' max diff", "speed"]
-    lines.append(markdown_table(headers, rows))
-    lines += targets_section(result, "GPT validation loss per policy")
-    return "\n".join(lines)
+    return markdown_table(headers, rows)
 
 
 def _result(met) -> str:

@@ -175,7 +175,7 @@ def target_overhead(results: dict) -> list[Target]:
     res = results.get("overhead")
     ratio = overhead_ratio(res)
     if ratio is None:
-        return [t]
+        return [t, _target_underflow_reading(res or {})]
     t.value, t.passed = ratio, ratio >= 0.98
     t.measured = f"{(1 - ratio) * 100:+.1f}% (ratio {ratio:.3f}, {res.get('policy', '?')})"
     if not t.passed:
@@ -190,7 +190,23 @@ def target_overhead(results: dict) -> list[Target]:
             + "."
             + _load_note(res)
         )
-    return [t]
+    return [t, _target_underflow_reading(res)]
+
+
+def _target_underflow_reading(res: dict) -> Target:
+    """The cost of kmp's underflow reading: <= 2% of a float16 step (issue 46)."""
+    t = Target("kmp's underflow reading vs the overflow-only rule, step time", "<= 2% (>= 0.98)")
+    ratio = res.get("rule_ratio")
+    if not _finite(ratio) or res.get("policy") != "mixed_float16":
+        return t  # an older result, or a policy whose rule reads nothing
+    t.value, t.passed = ratio, ratio >= 0.98
+    t.measured = f"{(1 - ratio) * 100:+.1f}% (ratio {ratio:.3f}, {res['model']})"
+    if not t.passed:
+        median = res.get("rule_ratio_cpu_median_paired")
+        t.why = f"kmp's default rule's step ran at {ratio:.3f}x the overflow-only rule's"
+        t.why += f" (median of the paired rounds {median:.3f})." if _finite(median) else "."
+        t.why += _load_note(res)
+    return t
 
 
 def efficiencies(res: dict | None) -> dict[str, float]:

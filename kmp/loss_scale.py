@@ -26,6 +26,23 @@ skipped and counted, and with ``hysteresis=h`` the first ``h - 1`` overflows
 in a row only skip (each further one in the same run backs off). A static
 scale never changes; overflowing steps are still skipped and counted.
 
+That is Keras's and PyTorch's ``GradScaler``'s rule: it only looks at overflow.
+kmp's default also looks at underflow (``underflow_threshold``, None turns it
+off): :func:`gradient_stats` measures, on the same averaged, still-scaled
+gradients, the share of values that float16 holds only as subnormals (below
+``2**-14``: they lose precision, and a little smaller they are lost) and the
+largest magnitude. A finite step then also grows the scale when::
+
+    good_steps >= underflow_patience                     # at least that many finite steps
+    and share > underflow_threshold                      # float16 is losing gradient bits
+    and peak * growth_factor * SCALE_MARGIN <= 65504     # the grown scale keeps headroom
+
+The headroom test is :func:`kmp.probe`'s recommended scale
+(:func:`kmp.probing.stats.recommend_loss_scale`, the same margin): the rule
+never grows early past the scale the probe would recommend for these
+gradients. A growth needs ``underflow_patience`` finite steps, so growths alone
+can make at most one step in ``underflow_patience + 1`` overflow.
+
 :func:`update` is written against a small array namespace (``keras.ops`` by
 default; ``tensorflow`` and ``numpy`` have the same functions), so each path
 runs the same lines in its own ops.
@@ -39,7 +56,14 @@ from typing import Any, NamedTuple
 from kmp import _checks
 from kmp._names import LOSS_SCALE_KINDS, LOSS_SCALE_MODES
 
-__all__ = ["LossScale", "ScaleState", "update"]
+__all__ = ["GradientStats", "LossScale", "ScaleState", "gradient_stats", "update"]
+
+# float16's limits as the rule (and kmp.probe) see them.
+FLOAT16_MAX = 65504.0
+FLOAT16_SMALLEST_NORMAL = 2.0**-14  # below it float16 holds a value as a subnormal
+# A scale leaves the largest scaled gradient this factor below FLOAT16_MAX (three doublings
+# of headroom: gradients grow as training moves); kmp.probe's recommended scale too.
+SCALE_MARGIN = 8.0
 
 # The knobs and their defaults, as kmp.wrap_optimizer documents them.
 DEFAULTS: dict[str, Any] = {
@@ -50,6 +74,8 @@ DEFAULTS: dict[str, Any] = {
     "min_scale": 1.0,
     "max_scale": 2.0**24,
     "hysteresis": 1,
+    "underflow_threshold": 0.01,
+    "underflow_patience": 100,
 }
 KNOBS: tuple[str, ...] = tuple(DEFAULTS)
 # The scale lives in a float32 variable: it must stay a normal, finite float32.
@@ -72,6 +98,11 @@ class LossScale:
         max_scale: The highest dynamic scale (>= ``min_scale``).
         hysteresis: Overflowing steps in a row that are only skipped before the
             scale backs off (1: back off at every overflow).
+        underflow_threshold: A dynamic scale also grows when more than this share of
+            the gradient values sit below float16's smallest normal (0.01); None:
+            only overflow moves it (Keras's and ``GradScaler``'s rule).
+        underflow_patience: Finite steps since the scale last moved before underflow
+            may grow it (100).
 
     Raises:
         TypeError: A knob of the wrong type.
@@ -88,6 +119,8 @@ class LossScale:
     min_scale: float = DEFAULTS["min_scale"]
     max_scale: float = DEFAULTS["max_scale"]
     hysteresis: int = DEFAULTS["hysteresis"]
+    underflow_threshold: float | None = DEFAULTS["underflow_threshold"]
+    underflow_patience: int = DEFAULTS["underflow_patience"]
 
     def __post_init__(self) -> None:
         kind = _checks.check_choice("kind", self.kind, LOSS_SCALE_KINDS)
@@ -119,6 +152,11 @@ class LossScale:
         return self.kind == "dynamic"
 
     @property
+    def measures_underflow(self) -> bool:
+        """True for a dynamic scale that also grows on underflow (kmp's default)."""
+        return self.dynamic and self.underflow_threshold is not None
+
+    @property
     def start_scale(self) -> float:
         """The scale of the first step (1.0 when not scaling)."""
         return self.initial_scale if self.scaling else 1.0
@@ -143,8 +181,11 @@ class LossScale:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> LossScale:
-        """Rebuild from :meth:`to_config` output."""
-        return cls(**config)
+        """Rebuild from :meth:`to_config` output.
+
+        A rule saved before kmp measured underflow comes back as it trained: overflow only.
+        """
+        return cls(**{"underflow_threshold": None, **config})
 
     def start_state(self) -> ScaleState:
         """The state before the first step, as Python numbers."""
@@ -171,6 +212,13 @@ def check_knob(name: str, value: Any) -> Any:
         return _checks.check_number(name, value, above=0, below=1, hint="0.5 halves it.")
     if name == "hysteresis":
         return _checks.check_int(name, value, minimum=1, hint="1 backs off at every overflow.")
+    if name == "underflow_threshold":
+        if value is None:
+            return None
+        hint = "0.01 grows the scale while over 1 % of the gradient is subnormal; None: never."
+        return _checks.check_number(name, value, above=0, below=1, hint=hint)
+    if name == "underflow_patience":
+        return _checks.check_int(name, value, minimum=1, hint="e.g. 100 finite steps.")
     raise TypeError(f"Unknown loss-scale knob {name!r}; the knobs are {', '.join(KNOBS)}.")
 
 
@@ -199,6 +247,65 @@ class ScaleState(NamedTuple):
     good_steps: Any
     overflow_streak: Any
     skipped: Any
+
+
+class GradientStats(NamedTuple):
+    """What the rule reads from one step's averaged gradients, in float16's terms.
+
+    Attributes:
+        underflow: The share of the gradient values (of every element) that are not zero
+            and, scaled, lie below float16's smallest normal (a float32 scalar).
+        peak: The largest scaled gradient magnitude (a float32 scalar).
+    """
+
+    underflow: Any
+    peak: Any
+
+
+def _namespace(xp: Any) -> tuple[Any, Any, Any, Any]:
+    """``(sum, max, size, cast)`` of ``xp``, which keras.ops, tensorflow and numpy name apart."""
+    if hasattr(xp, "reduce_sum"):  # tensorflow
+        return xp.reduce_sum, xp.reduce_max, xp.size, xp.cast
+    cast = getattr(xp, "cast", None) or (lambda x, dtype: xp.asarray(x, dtype=dtype))
+    return xp.sum, xp.max, xp.size, cast
+
+
+def gradient_stats(grads: list, scaled_by: Any = None, xp: Any = None) -> GradientStats:
+    """Measure :class:`GradientStats` over ``grads`` (None entries are left out).
+
+    A few reductions per gradient (a masked count and a maximum), fused by the
+    compiler with the finite check beside them; every rank measures the same averaged
+    gradients, so every rank decides the same.
+
+    Args:
+        grads: Dense gradient values (a sparse gradient's values), still multiplied by
+            the loss scale, or already divided by it when ``scaled_by`` is given.
+        scaled_by: The scale ``grads`` were divided by (the TF1 path unscales before it
+            checks); None: they are still scaled.
+        xp: The array namespace: ``keras.ops`` (default), ``tensorflow`` or ``numpy``.
+
+    Returns:
+        The :class:`GradientStats` (an empty list: no underflow, peak 0).
+    """
+    if xp is None:
+        from keras import ops as xp
+    total, largest, size, cast = _namespace(xp)
+    tiny, factor = FLOAT16_SMALLEST_NORMAL, 1.0
+    if scaled_by is not None:
+        factor = cast(scaled_by, "float32")
+        tiny = FLOAT16_SMALLEST_NORMAL / factor
+    count, elements, peak = 0.0, 0.0, 0.0
+    for g in grads:
+        if g is None:
+            continue
+        a = xp.abs(g if str(g.dtype).endswith("float32") else cast(g, "float32"))
+        small = xp.logical_and(xp.greater(a, 0.0), xp.less(a, tiny))
+        count = count + total(cast(small, "float32"))
+        elements = elements + cast(size(a), "float32")
+        peak = xp.maximum(peak, largest(a))
+    if isinstance(elements, float):  # no gradient at all
+        return GradientStats(cast(0.0, "float32"), cast(0.0, "float32"))
+    return GradientStats(count / xp.maximum(elements, 1.0), peak * factor)
 
 
 def normalize_setting(loss_scale: Any) -> Any:
@@ -264,7 +371,13 @@ def from_setting(loss_scale: Any = "dynamic", *, compute_dtype: str, **knobs: An
     return LossScale("static", **values)
 
 
-def update(rule: LossScale, state: ScaleState, finite: Any, xp: Any = None) -> ScaleState:
+def update(
+    rule: LossScale,
+    state: ScaleState,
+    finite: Any,
+    stats: GradientStats | None = None,
+    xp: Any = None,
+) -> ScaleState:
     """Return the state after one step whose gradients were ``finite`` (or not).
 
     This is the whole loss-scale rule (see the module docstring); the caller
@@ -276,6 +389,8 @@ def update(rule: LossScale, state: ScaleState, finite: Any, xp: Any = None) -> S
         rule: The :class:`LossScale`.
         state: The current :class:`ScaleState` (tensors or numbers).
         finite: A boolean scalar: True when every gradient was finite.
+        stats: The step's :func:`gradient_stats`; needed when
+            ``rule.measures_underflow`` (None: only overflow moves the scale).
         xp: The array namespace: ``keras.ops`` (default), ``tensorflow`` or ``numpy``.
 
     Returns:
@@ -291,6 +406,13 @@ def update(rule: LossScale, state: ScaleState, finite: Any, xp: Any = None) -> S
     good = xp.where(finite, good + 1, xp.zeros_like(good))
     streak = xp.where(finite, xp.zeros_like(streak), streak + 1)
     grow = xp.logical_and(finite, xp.greater_equal(good, rule.growth_interval))
+    if rule.measures_underflow and stats is not None:
+        starved = xp.logical_and(
+            xp.greater_equal(good, rule.underflow_patience),
+            xp.greater(stats.underflow, rule.underflow_threshold),
+        )
+        room = xp.less_equal(stats.peak * (rule.growth_factor * SCALE_MARGIN), FLOAT16_MAX)
+        grow = xp.logical_or(grow, xp.logical_and(finite, xp.logical_and(starved, room)))
     back = xp.logical_and(overflow, xp.greater_equal(streak, rule.hysteresis))
     grown = xp.minimum(scale * rule.growth_factor, rule.max_scale)
     backed = xp.maximum(scale * rule.backoff_factor, rule.min_scale)

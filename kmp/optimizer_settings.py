@@ -96,6 +96,12 @@ class OptimizerSettings:
         max_scale: The highest dynamic scale (``2**24``; tf-keras: no bound).
         hysteresis: Overflowing steps in a row skipped before the scale backs off (1).
             Every overflowing step is skipped and counted either way.
+        underflow_threshold: A dynamic scale also grows early when more than this share
+            of the averaged gradient values are float16 subnormals once scaled, and the
+            grown scale keeps :func:`kmp.probe`'s headroom (0.01; None: overflow alone
+            moves the scale, Keras's and PyTorch's rule). tf-keras: None only.
+        underflow_patience: Finite steps since the scale last moved before underflow may
+            grow it (100).
         compression: None (default), ``"fp16"`` or ``"bf16"``: the dtype gradients travel
             in (Horovod's ``hvd.Compression`` classes are read as these; a custom one
             reaches the tf-keras path only).
@@ -143,6 +149,12 @@ class OptimizerSettings:
     )
     hysteresis: int = dataclasses.field(
         default=_ls.DEFAULTS["hysteresis"], metadata=_knob("hysteresis")
+    )
+    underflow_threshold: float | None = dataclasses.field(
+        default=_ls.DEFAULTS["underflow_threshold"], metadata=_knob("underflow_threshold")
+    )
+    underflow_patience: int = dataclasses.field(
+        default=_ls.DEFAULTS["underflow_patience"], metadata=_knob("underflow_patience")
     )
     compression: Any = dataclasses.field(default=None, metadata=_check(_check_compression))
     backward_passes_per_step: int = dataclasses.field(

@@ -5,14 +5,16 @@ One training step with it, on every rank::
     loss -> scale_loss -> gradients -> [accumulate N micro-batches]
          -> grouped allreduce of the still-scaled gradients (optionally fp16/bf16), in
             buckets of ``bucket_bytes``, last layer first, overlapping the backward pass
-         -> finite check (the same answer on every rank) -> unscale and apply, or skip
+         -> finite check and the underflow reading (the same answer on every rank)
+         -> unscale and apply, or skip
          -> kmp.loss_scale.update: the next scale, good/overflow counters, skipped count
 
 Gradients are averaged before they are checked, so an overflow on any rank makes
 every rank skip the same step and move its scale alike. The rule lives in
 :mod:`kmp.loss_scale`; this class keeps its state in four optimizer variables
 (Keras's ``dynamic_scale`` and ``step_counter``, and ``overflow_streak_counter``,
-``skipped_steps_counter``) and runs it stateful (:meth:`apply`) and stateless (JAX:
+``skipped_steps_counter``; a rule that measures underflow adds ``underflow_share``, the
+last step's reading) and runs it stateful (:meth:`apply`) and stateless (JAX:
 :meth:`stateless_apply`). The accumulation of micro-batches is :mod:`kmp.accumulation`'s.
 """
 
@@ -38,6 +40,8 @@ __all__ = ["DistributedLossScaleOptimizer"]
 
 # The config's layout; a config without it was written by kmp 0.1, which this kmp refuses.
 CONFIG_FORMAT = 2
+# The variable holding the last step's measured underflow share (rules that measure it).
+UNDERFLOW_SHARE = "underflow_share"
 
 
 @keras.saving.register_keras_serializable(package="kmp")
@@ -87,6 +91,7 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         self.loss_scale_rule = loss_scale_rule
         self.lr_scale = float(lr_scale)
         self.compensated: CompensatedUpdates | None = None
+        self.underflow_share_variable: keras.Variable | None = None
         self._payload_bytes = 0
         self._own_index: dict[int, int] = {}
 
@@ -111,6 +116,18 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
     def overflow_streak(self) -> int:
         """How many of the latest updates in a row overflowed (0 after a finite one)."""
         return int(self._read(self.overflow_streak_counter)) if self.built else 0
+
+    @property
+    def underflow_share(self) -> float | None:
+        """The last step's share of gradient values that were float16 subnormals once scaled.
+
+        What the loss-scale rule measured (:func:`kmp.loss_scale.gradient_stats`); None
+        when the rule does not measure underflow (not float16, or
+        ``underflow_threshold=None``).
+        """
+        if self.underflow_share_variable is None:
+            return None
+        return float(self._read(self.underflow_share_variable))
 
     @property
     def can_skip(self) -> bool:
@@ -162,6 +179,8 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         self.dynamic_scale = scalar("loss_scale", "float32", start.scale)
         self.skipped_steps_counter = scalar("skipped_steps", "int", 0)
         self.overflow_streak_counter = scalar("overflow_streak", "int", 0)
+        if self.loss_scale_rule.measures_underflow:
+            self.underflow_share_variable = scalar(UNDERFLOW_SHARE, "float32", 0.0)
         self._build_accumulation(scalar, var_list)
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
@@ -182,6 +201,20 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
             self.overflow_streak_counter,
             self.skipped_steps_counter,
         )
+
+    def load_own_variables(self, store: Any) -> None:
+        """Load the saved variables; a save from before kmp measured underflow fits too.
+
+        Such a save lacks only ``underflow_share`` (a reading, not state the rule
+        needs): every other variable is restored in order and the share starts at 0.
+        """
+        share = self.underflow_share_variable
+        if share is None or len(store.keys()) != len(self.variables) - 1:
+            super().load_own_variables(store)
+            return
+        saved = iter(store[str(i)] for i in range(len(store.keys())))
+        for variable in self.variables:
+            variable.assign(0.0 if variable is share else next(saved))
 
     def scale_loss(self, loss: Any) -> Any:
         """Multiply ``loss`` by the current loss scale (returned unchanged when not scaling)."""
@@ -205,6 +238,12 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
     def check_finite(self, grads: list) -> Any:
         """True when every gradient is finite (a sparse one: its values)."""
         return super().check_finite([sparse.values_of(g) for g in grads])
+
+    def _gradient_stats(self, grads: list) -> _ls.GradientStats | None:
+        """What the rule reads from the averaged, still-scaled gradients (None: nothing)."""
+        if not self.loss_scale_rule.measures_underflow:
+            return None
+        return _ls.gradient_stats([sparse.values_of(g) for g in grads if g is not None])
 
     def _scale_in_use(self, state_scale: Any) -> Any:
         rule = self.loss_scale_rule
@@ -273,9 +312,12 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
             self.inner_optimizer.apply(self._unscale(grads, variables, scale), variables)
 
         ops.cond(finite, apply_step, lambda: None)
-        new = _ls.update(self.loss_scale_rule, state, finite)
+        stats = self._gradient_stats(grads)
+        new = _ls.update(self.loss_scale_rule, state, finite, stats)
         for var, value in zip(self._state_variables(), new, strict=True):
             var.assign(value)
+        if stats is not None:
+            self.underflow_share_variable.assign(stats.underflow)
 
     def stateless_apply(self, optimizer_variables: list, grads: list, trainable_variables: list):
         """Functional :meth:`apply` for JAX: returns new variable values.
@@ -323,8 +365,12 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
 
         new_t, new_inner = ops.cond(finite, on_finite, on_skip)
         new_own = list(own)
-        for i, value in zip(slots, _ls.update(self.loss_scale_rule, state, finite), strict=True):
+        stats = self._gradient_stats(grads)
+        new = _ls.update(self.loss_scale_rule, state, finite, stats)
+        for i, value in zip(slots, new, strict=True):
             new_own[i] = value
+        if stats is not None:
+            new_own[self._own_index[id(self.underflow_share_variable)]] = stats.underflow
         return list(new_t), new_own + list(new_inner)
 
     def get_config(self) -> dict:

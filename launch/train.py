@@ -153,6 +153,7 @@ def make_optimizer(args, kmp, steps_per_epoch: int, size: int):
         compression=None if args.compression == "none" else args.compression,
         scale_lr=args.scale_lr,
         growth_interval=args.loss_scale_growth_interval,
+        **({"underflow_threshold": None} if args.loss_scale_rule == "keras" else {}),
         master_weights=args.master_weights,
         rounding_seed=args.seed,
         **({} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}),
@@ -389,6 +390,7 @@ def summarize(run: Run, model, facts: dict, trained: Trained, measured: dict) ->
         "final_epoch": trained.final_epoch,
         "iterations_end": int(model.optimizer.iterations.numpy()),
         "loss_scale_end": scale_end,
+        "loss_scale_rule": args.loss_scale_rule,
         "skipped_steps": skipped,
         "skipped_at": skips.steps,  # steps of this run (0-based) the optimizer skipped
         "history": history,

@@ -21,15 +21,17 @@ DEFAULT_DATASET = {
     "gpt": "kmp_pytext",
     "gpt2-hub": "kmp_pytext",
     "mnist1d_cnn": "mnist1d",
+    "mnist1d_gru": "mnist1d",
 }
-# Per rank. mnist1d_cnn: 50 per rank is the paper's batch of 100 on 2 ranks.
-DEFAULT_BATCH = {"digits_cnn": 32, "resnet50": 8, "gpt": 16, "gpt2-hub": 16, "mnist1d_cnn": 50}
+# MNIST-1D: the paper's batch of 100 on 2 ranks, and its Adam rate.
+DEFAULT_BATCH = {"digits_cnn": 32, "resnet50": 8, "gpt": 16, "gpt2-hub": 16}
+DEFAULT_BATCH |= dict.fromkeys(workloads.MNIST1D_MODELS, 50)
 DEFAULT_LR = {"digits_cnn": 4e-3, "resnet50": 0.01, "gpt": 3e-3, "gpt2-hub": 3e-3}
-DEFAULT_LR["mnist1d_cnn"] = 1e-2  # the paper's Adam rate
-CONSTANT_LR = ("resnet50", "mnist1d_cnn")  # the others decay (cosine) by default
+DEFAULT_LR |= dict.fromkeys(workloads.MNIST1D_MODELS, 1e-2)
+CONSTANT_LR = ("resnet50", *workloads.MNIST1D_MODELS)  # the others decay (cosine) by default
 # Defaults sized for a run of about a minute on 2 CPU ranks (the paper's 8,000 steps of 100
 # for mnist1d_cnn: 200 epochs of 4,000); any other model: 10 epochs of every full batch.
-DEFAULT_EPOCHS = {"gpt": 4, "gpt2-hub": 4, "mnist1d_cnn": 200}
+DEFAULT_EPOCHS = {"gpt": 4, "gpt2-hub": 4, "mnist1d_cnn": 200, "mnist1d_gru": 200}
 DEFAULT_STEPS = {"gpt": 50, "gpt2-hub": 50}
 
 
@@ -43,7 +45,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--dataset",
         help="TFDS image-classification data set (default: kmp_digits for digits_cnn, "
         "the SYNTHETIC kmp_synthetic_images for resnet50), or an in-memory one: kmp_pytext "
-        "(bytes, for gpt and gpt2-hub), mnist1d (for mnist1d_cnn)",
+        "(bytes, for gpt and gpt2-hub), mnist1d (for mnist1d_cnn and mnist1d_gru)",
     )
     p.add_argument(
         "--text-dir",
@@ -73,7 +75,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--epochs",
         type=int,
-        help="total epochs, a resumed run included (default: 10; 4 for gpt, 200 for mnist1d_cnn)",
+        help="total epochs, a resumed run included (default: 10; 4 for gpt, 200 for mnist1d_*)",
     )
     p.add_argument(
         "--steps-per-epoch", type=int, help="batches per epoch (default: all; 50 for gpt)"
@@ -83,7 +85,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--lr-schedule",
         choices=("cosine", "constant"),
         help="cosine decay to 0 over the run, or constant (default: constant for resnet50 "
-        "and mnist1d_cnn, cosine for the others)",
+        "and mnist1d_*, cosine for the others)",
     )
     p.add_argument("--compression", choices=("none", "fp16", "bf16"), default="none")
     p.add_argument(
@@ -117,6 +119,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=2000,
         help="finite steps before a dynamic loss scale doubles (float16 only)",
+    )
+    p.add_argument(
+        "--loss-scale-rule",
+        choices=("kmp", "keras"),
+        default="kmp",
+        help="float16's dynamic loss scale: kmp's (grows early while gradients underflow) or "
+        "Keras's and PyTorch's (overflow alone moves it: underflow_threshold=None)",
     )
     p.add_argument(
         "--eval-every",

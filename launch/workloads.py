@@ -19,6 +19,10 @@
   flatten (5 x 25 = 125) and a Dense layer to the 10 classes. The paper trains it with Adam
   at 1e-2, batch 100, no weight decay, constant rate (6,000 steps in the 2020 code,
   8,000 in the 2024 code) and reports 94 % test accuracy.
+* ``mnist1d_gru``: the paper's recurrent baseline (``GRUBase``): a bidirectional GRU of 6
+  units a direction over the 40 steps of the signal, every step's output flattened
+  (40 x 12 = 480) into a Dense layer to the 10 classes; trained like the CNN. Its
+  recurrent gradients are small: the workload where float16 underflow shows first.
 
 The language models are built under the global dtype policy (16-bit compute under a mixed
 policy); ``train.py`` then applies ``kmp.float32_outputs``. They output logits, so their
@@ -34,7 +38,8 @@ import math
 from typing import Any
 
 LM_MODELS = ("gpt", "gpt2-hub")
-MODELS = (*LM_MODELS, "mnist1d_cnn")
+MNIST1D_MODELS = ("mnist1d_cnn", "mnist1d_gru")
+MODELS = (*LM_MODELS, *MNIST1D_MODELS)
 GPT_CONFIG = {"seq_len": 64, "width": 128, "depth": 2, "heads": 4, "dropout": 0.0}
 
 
@@ -140,6 +145,19 @@ def build_mnist1d_cnn(input_shape: tuple, num_classes: int, input_dtype: str) ->
     return keras.Model(inputs, outputs, name="mnist1d_cnn")
 
 
+def build_mnist1d_gru(input_shape: tuple, num_classes: int, input_dtype: str) -> Any:
+    """Return the MNIST-1D paper's bidirectional GRU (softmax head, as the CNN's)."""
+    import keras
+
+    inputs = keras.Input(shape=input_shape, dtype=input_dtype, name="signals")
+    x = keras.layers.Reshape((input_shape[0], 1))(inputs)
+    gru = keras.layers.GRU(6, return_sequences=True, name="gru")
+    x = keras.layers.Bidirectional(gru, name="bigru")(x)
+    x = keras.layers.Flatten()(x)
+    outputs = keras.layers.Dense(num_classes, activation="softmax", name="probs")(x)
+    return keras.Model(inputs, outputs, name="mnist1d_gru")
+
+
 def build(name: str, input_shape: tuple, num_classes: int, input_dtype: str) -> Any:
     """Build one of :data:`MODELS` (language models take int32 bytes whatever ``input_dtype``)."""
     if name == "gpt":
@@ -148,6 +166,8 @@ def build(name: str, input_shape: tuple, num_classes: int, input_dtype: str) -> 
         return build_gpt2_hub(seq_len=input_shape[0], vocab_size=num_classes)
     if name == "mnist1d_cnn":
         return build_mnist1d_cnn(input_shape, num_classes, input_dtype)
+    if name == "mnist1d_gru":
+        return build_mnist1d_gru(input_shape, num_classes, input_dtype)
     raise ValueError(f"unknown model {name!r}; use one of {MODELS}")
 
 

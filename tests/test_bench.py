@@ -405,6 +405,20 @@ def test_bench_digits_cnn_is_the_reference_scripts_model():
     keras.backend.clear_session()
 
 
+def test_the_underflow_readings_cost_is_judged_under_float16_only():
+    bench_targets = _load("targets")
+    res = _results()
+    res["overhead"] |= {"policy": "mixed_float16", "model": "digits_cnn", "rule_ratio": 0.97}
+    res["overhead"]["rule_ratio_cpu_median_paired"] = 0.975
+    _, reading = bench_targets.target_overhead(res)
+    assert reading.result == "missed" and "+3.0%" in reading.measured
+    assert "0.970x the overflow-only rule's" in reading.why and "0.975" in reading.why
+    res["overhead"]["rule_ratio"] = 0.995
+    assert bench_targets.target_overhead(res)[1].result == "met"
+    res["overhead"]["policy"] = "float32"  # nothing to read: not judged
+    assert bench_targets.target_overhead(res)[1].result == "not run"
+
+
 def test_scaling_miss_quotes_the_measured_causes():
     bench_targets = _load("targets")
     res = _results(eff=0.6)
@@ -621,6 +635,57 @@ def test_master_weights_bench_judges_modes_against_float32(tmp_path):
         mwb.parse_args(["--policies", "bfloat16+fast"])
 
 
+def test_underflow_bench_judges_kmps_rule_against_float32_beside_keras():
+    uf = _load("underflow")
+    numerics = _load("numerics")
+
+    def rows(workload, policy, values, skipped=0, speed=100.0, diff=0.0):
+        return [
+            {**_row(workload, policy, s, v, diff=diff, skipped=skipped), "steps": 3000,
+             "speed": speed}
+            for s, v in enumerate(values)
+        ]  # fmt: skip
+
+    measured = (
+        rows("mnist1d_gru", "float32", (88.0, 89.0))
+        + rows("mnist1d_gru", "mixed_float16+keras", (86.0, 87.0), speed=100.0)
+        + rows("mnist1d_gru", "mixed_float16", (88.0, 88.6), skipped=12, speed=99.5)
+        + rows("digits", "float32", (97.0, 97.4))
+        + rows("digits", "mixed_float16", (96.0, 96.2), skipped=40, speed=90.0, diff=0.5)
+        + rows("digits", "mixed_float16+keras", (96.9, 97.0), speed=100.0)
+    )
+    table = numerics.aggregate(measured)
+    judged = {t["name"]: t for t in uf.targets(table, measured)}
+    gru = judged[
+        "MNIST-1D GRU, mixed_float16 (kmp's rule) vs float32 test accuracy (mean of seeds)"
+    ]
+    assert gru["met"] and gru["value"] == pytest.approx(-0.2)
+    assert "Keras's rule -2.00" in gru["measured"]  # shown beside, not judged
+    digits = judged[
+        "digits CNN, mixed_float16 (kmp's rule) vs float32 test accuracy (mean of seeds)"
+    ]
+    assert digits["met"] is False and "spread" in digits["why"]
+    cnn = judged[
+        "MNIST-1D CNN, mixed_float16 (kmp's rule) vs float32 test accuracy (mean of seeds)"
+    ]
+    assert cnn["met"] is None  # not run
+    skipped = judged["overflow-skipped steps under kmp's rule, of each run's steps"]
+    assert skipped["met"] is False and skipped["value"] == pytest.approx(40 / 3000 * 100, abs=1e-3)
+    speed = judged["mixed_float16 speed, kmp's rule vs Keras's rule"]
+    assert speed["met"] is False and speed["value"] == pytest.approx(0.9)
+    assert "mnist1d_gru 0.995" in speed["measured"] and "digits: 0.900" in speed["why"]
+    ranks = judged["ranks' weights bit-identical after every float16 run"]
+    assert ranks["met"] is False
+    argv = numerics.train_args("mnist1d_gru", "mixed_float16+keras", 1, False, uf.WORKLOADS)
+    assert argv[argv.index("--model") + 1] == "mnist1d_gru"
+    assert argv[argv.index("--loss-scale-rule") + 1] == "keras"
+    assert "--master-weights" not in argv and argv[-2:] == ["--epochs", "75"]
+    quick = uf.parse_args(["--quick"])
+    assert quick.workload_table is uf.WORKLOADS and quick.workloads == ["mnist1d_gru"]
+    with pytest.raises(SystemExit):
+        uf.parse_args(["--workloads", "imagenet"])
+
+
 def test_state_bytes_per_master_weights_config_and_their_targets():
     states = _load("_states")
     figures = {c: states.measure(c, quick=True, steps=1, tf_memory=None)
@@ -751,15 +816,16 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
         assert fig["step_bytes"] > 0
     assert memory["policies"]["mixed_float16"]["activation_vs_float32"] < 1.0
     targets = {t["name"]: t for t in summary["targets"]}
-    assert len(targets) == 39
+    assert len(targets) == 40
     measured = [t for t in targets.values() if t["result"] != "not run"]
     # All but the GPU one, the two of the links and the best 16-bit policy's on the MLP and
     # the GPT (the quick policies part trains the CNN only); of the numerics, the
     # GPT under mixed_float16 and the ranks' weights (the quick run has only those); of
     # inference's, those of the digits CNN, the MLP and the GPT in bfloat16 and int8 (not
     # ResNet50's or MNIST-1D's) and both exports' sizes; the engines' on the digits CNN;
-    # the five of the states part (state bytes, step peak, step times).
-    assert len(measured) == 25, [t["name"] for t in measured]
+    # the five of the states part (state bytes, step peak, step times); the overhead
+    # part's two (kmp vs Keras, the underflow reading vs the overflow-only rule).
+    assert len(measured) == 26, [t["name"] for t in measured]
     peers = json.loads((out / summary["parts"]["peers"]["result_file"]).read_text())
     jobs = peers["local"]["jobs"]
     assert not peers["local"]["errors"]

@@ -1,7 +1,9 @@
 """kmp.loss_scale: the one loss-scale rule, checked against an independent reference.
 
 The reference below is plain Python, written from the rule's description (not
-from kmp's code). The same finite / overflowing step sequence is run through:
+from kmp's code). The same sequence of steps (each a 3-value gradient at loss scale 1:
+finite, overflowing, or with a value float16 holds only as a subnormal once scaled) is
+run through:
 
 * ``kmp.loss_scale.update`` on NumPy;
 * the stateful Keras 3 path (TensorFlow, inside ``tf.function``);
@@ -16,6 +18,7 @@ counter, overflow (hysteresis) counter, and how many steps were applied.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,8 +33,15 @@ from kmp._checks import NOT_GIVEN
 from kmp._launcher_env import LAUNCH_SIZE_VARS
 from tests._support import ROOT
 
-F, N = True, False  # a finite step, an overflowing step
+# A step's gradient at loss scale 1 (the paths feed it times the scale in use): finite,
+# overflowing, a third of it a float16 subnormal below scale 64 (U), the same with a
+# large value that leaves no headroom for a doubling above scale 8 (C).
+F, N = (1.0, 1.0, 1.0), (math.inf,) * 3
+U, C = (1.0, 1e-6, 2.0), (1.0, 1e-6, 300.0)
 SEQUENCE = [F, F, F, N, F, F, F, F, F, F, N, N, N, N, N, N, F, N, F, F, F, F, F, F, N, F, F]
+STARVED = [U, U, U, U, C, C, C, C, U, U, U, U, U, N, U, U, U, U, F, U]
+UNDERFLOW = {"initial_scale": 2.0, "growth_interval": 1000, "max_scale": 2.0**20}
+UNDERFLOW |= {"underflow_threshold": 0.25, "underflow_patience": 2}
 
 # (kind, knobs): each exercises other knobs; the sequence reaches min_scale and max_scale.
 SETTINGS = [
@@ -52,14 +62,34 @@ SETTINGS = [
     ("static", {"initial_scale": 128.0}),
 ]
 IDS = ["defaults-fast-growth", "all-knobs", "hysteresis-3", "interval-1-at-min", "static"]
+# Each case: (kind, knobs, steps); the underflow rule, and Keras's rule on the same steps.
+CASES = [(kind, knobs, SEQUENCE) for kind, knobs in SETTINGS]
+CASES += [
+    ("dynamic", UNDERFLOW, STARVED),
+    ("dynamic", {**UNDERFLOW, "underflow_threshold": None}, STARVED),
+]
+CASE_IDS = [*IDS, "underflow", "underflow-off"]
 
 
-def reference(kind: str, knobs: dict, steps: list[bool]) -> list[tuple]:
+def reference_shares(knobs: dict, steps: list[tuple]) -> list[float]:
+    """The underflow share each step's scaled gradient had (the reading the rule keeps)."""
+    return [row[5] for row in _reference("dynamic", knobs, steps)]
+
+
+def reference(kind: str, knobs: dict, steps: list[tuple]) -> list[tuple]:
     """The rule as documented, in plain Python: one row per step after it ran."""
+    return [row[:5] for row in _reference(kind, knobs, steps)]
+
+
+def _reference(kind: str, knobs: dict, steps: list[tuple]) -> list[tuple]:
     k = {**ls.DEFAULTS, **knobs}
     scale, good, streak, skipped, applied = float(k["initial_scale"]), 0, 0, 0, 0
     rows = []
-    for finite in steps:
+    for gradient in steps:
+        finite = all(math.isfinite(v) for v in gradient)
+        scaled = [abs(v * scale) for v in gradient]
+        share = sum(0 < v < 2**-14 for v in scaled) / len(scaled)  # float16 subnormals
+        roomy = max(scaled) * k["growth_factor"] * 8 <= 65504  # the probe's margin
         if finite:
             applied += 1
         else:
@@ -67,13 +97,15 @@ def reference(kind: str, knobs: dict, steps: list[bool]) -> list[tuple]:
         if kind == "dynamic":
             if finite:
                 good, streak = good + 1, 0
-                if good == k["growth_interval"]:
+                starved = k["underflow_threshold"] is not None and share > k["underflow_threshold"]
+                early = starved and good >= k["underflow_patience"] and roomy
+                if good == k["growth_interval"] or early:
                     scale, good = min(scale * k["growth_factor"], k["max_scale"]), 0
             else:
                 good, streak = 0, streak + 1
                 if streak >= k["hysteresis"]:
                     scale = max(scale * k["backoff_factor"], k["min_scale"])
-        rows.append((scale, skipped, good, streak, applied))
+        rows.append((scale, skipped, good, streak, applied, share))
     return rows
 
 
@@ -90,35 +122,50 @@ def test_reference_reaches_both_bounds():
     assert hyst[10][0] == hyst[9][0] and hyst[11][0] == hyst[10][0] and hyst[12][0] < hyst[11][0]
 
 
-@pytest.mark.parametrize(("kind", "knobs"), SETTINGS, ids=IDS)
-def test_update_on_numpy_matches_reference(kind, knobs):
+def test_reference_grows_on_underflow_within_the_headroom():
+    """The underflow fixture: early growths every 2 steps, one held back, none once clear."""
+    scales = [r[0] for r in reference("dynamic", UNDERFLOW, STARVED)]
+    assert scales[:4] == [2.0, 4.0, 4.0, 8.0]  # patience 2, then a third is subnormal
+    assert scales[5:8] == [16.0, 16.0, 16.0]  # C at 16: doubling would leave < 8x headroom
+    assert scales[10:13] == [64.0, 64.0, 64.0]  # at 64 nothing is subnormal: it stops
+    assert scales[13] == 32.0 and scales[15] == 64.0  # an overflow, then underflow again
+    assert set(reference_shares(UNDERFLOW, STARVED)) == {0.0, 1 / 3}
+    off = reference("dynamic", {**UNDERFLOW, "underflow_threshold": None}, STARVED)
+    assert {r[0] for r in off} == {1.0, 2.0}  # Keras's rule: only the overflow moves it
+
+
+def _scaled(gradient: tuple, scale: float) -> np.ndarray:
+    return np.asarray(gradient, "float32") * np.float32(scale)
+
+
+@pytest.mark.parametrize(("kind", "knobs", "steps"), CASES, ids=CASE_IDS)
+def test_update_on_numpy_matches_reference(kind, knobs, steps):
     rule = ls.LossScale(kind, **knobs)
     state = ls.ScaleState(np.float32(rule.start_scale), np.int64(0), np.int64(0), np.int64(0))
     rows, applied = [], 0
-    for finite in SEQUENCE:
-        applied += finite
-        state = ls.update(rule, state, np.bool_(finite), xp=np)
+    for gradient in steps:
+        g = _scaled(gradient, state.scale)
+        finite = np.all(np.isfinite(g))
+        applied += bool(finite)
+        state = ls.update(rule, state, finite, ls.gradient_stats([g], xp=np), xp=np)
         rows.append((*state[:1], state.skipped, state.good_steps, state.overflow_streak, applied))
-    assert as_rows(rows) == reference(kind, knobs, SEQUENCE)
+    assert as_rows(rows) == reference(kind, knobs, steps)
 
 
-@pytest.mark.parametrize(("kind", "knobs"), SETTINGS, ids=IDS)
-def test_stateful_tensorflow_path_matches_reference(kind, knobs):
+@pytest.mark.parametrize(("kind", "knobs", "steps"), CASES, ids=CASE_IDS)
+def test_stateful_tensorflow_path_matches_reference(kind, knobs, steps):
     import tensorflow as tf
 
     from kmp.scaling_optimizer import DistributedLossScaleOptimizer
 
-    opt = DistributedLossScaleOptimizer(
-        keras.optimizers.SGD(1.0), loss_scale_rule=ls.LossScale(kind, **knobs)
-    )
-    w = keras.Variable(np.zeros(2, "float32"))
+    rule = ls.LossScale(kind, **knobs)
+    opt = DistributedLossScaleOptimizer(keras.optimizers.SGD(1.0), loss_scale_rule=rule)
+    w = keras.Variable(np.zeros(3, "float32"))
     opt.build([w])
     step = tf.function(lambda g: opt.apply([g], [w]))
-    rows = []
-    for finite in SEQUENCE:
-        # The gradient of a scaled loss: scale * 1 (finite), or inf.
-        g = np.full(2, opt.loss_scale if finite else np.inf, "float32")
-        step(tf.constant(g))
+    rows, shares = [], []
+    for gradient in steps:
+        step(tf.constant(_scaled(gradient, opt.loss_scale)))  # the gradient of a scaled loss
         applied = -float(np.asarray(w)[0])  # each applied step moves w by -1 (lr 1, grad 1)
         rows.append(
             (
@@ -129,7 +176,12 @@ def test_stateful_tensorflow_path_matches_reference(kind, knobs):
                 applied,
             )
         )
-    assert as_rows(rows) == reference(kind, knobs, SEQUENCE)
+        shares.append(opt.underflow_share)
+    assert as_rows(rows) == reference(kind, knobs, steps)
+    if rule.measures_underflow:  # the reading the monitor reports, step by step
+        assert shares == pytest.approx(reference_shares(knobs, steps))
+    else:
+        assert set(shares) == {None}
 
 
 JAX_SCRIPT = r"""
@@ -138,13 +190,13 @@ import jax, jax.numpy as jnp, numpy as np, keras
 from kmp import loss_scale as ls
 from kmp.scaling_optimizer import DistributedLossScaleOptimizer
 assert keras.backend.backend() == "jax"
-settings, sequence = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+cases = json.loads(sys.argv[1])
 out = []
-for kind, knobs in settings:
+for kind, knobs, steps in cases:
     opt = DistributedLossScaleOptimizer(
         keras.optimizers.SGD(1.0), loss_scale_rule=ls.LossScale(kind, **knobs)
     )
-    w = keras.Variable(np.zeros(2, "float32"))
+    w = keras.Variable(np.zeros(3, "float32"))
     opt.build([w])
     index = {id(v): i for i, v in enumerate(opt.variables)}
     slots = [index[id(v)] for v in (opt.dynamic_scale, opt.skipped_steps_counter,
@@ -152,9 +204,9 @@ for kind, knobs in settings:
     ov, tv = [v.value for v in opt.variables], [w.value]
     step = jax.jit(lambda ov, tv, g: opt.stateless_apply(ov, [g], tv))
     rows = []
-    for finite in sequence:
+    for gradient in steps:
         scale = ov[slots[0]]
-        g = jnp.full((2,), scale if finite else jnp.inf, "float32")
+        g = jnp.asarray([float(v) for v in gradient], "float32") * scale
         tv, ov = step(ov, tv, g)
         s, k, good, streak = (np.asarray(ov[i]).item() for i in slots)
         rows.append([s, k, good, streak, -float(np.asarray(tv[0])[0])])
@@ -169,7 +221,7 @@ def test_stateless_jax_path_matches_reference():
     for var in LAUNCH_SIZE_VARS:
         env.pop(var, None)
     proc = subprocess.run(
-        [sys.executable, "-c", JAX_SCRIPT, json.dumps(SETTINGS), json.dumps(SEQUENCE)],
+        [sys.executable, "-c", JAX_SCRIPT, json.dumps(CASES)],
         env=env,
         capture_output=True,
         text=True,
@@ -178,21 +230,21 @@ def test_stateless_jax_path_matches_reference():
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     trajectories = json.loads(line[len("RESULT") :])
-    for (kind, knobs), rows in zip(SETTINGS, trajectories, strict=True):
-        assert as_rows(rows) == reference(kind, knobs, SEQUENCE), (kind, knobs)
+    for (kind, knobs, steps), rows in zip(CASES, trajectories, strict=True):
+        assert as_rows(rows) == reference(kind, knobs, steps), (kind, knobs)
 
 
-@pytest.mark.parametrize(("kind", "knobs"), SETTINGS, ids=IDS)
-def test_tf1_graph_path_matches_reference(kind, knobs):
+@pytest.mark.parametrize(("kind", "knobs", "steps"), CASES, ids=CASE_IDS)
+def test_tf1_graph_path_matches_reference(kind, knobs, steps):
     import tensorflow as tf
 
     from kmp.compat import v1 as kv1
 
     v1 = tf.compat.v1
     with tf.Graph().as_default():
-        w = v1.Variable([0.0, 0.0], dtype=tf.float32)
-        g_in = v1.placeholder(tf.float32, [])
-        loss = tf.reduce_sum(w * g_in)  # d loss / d w = g_in
+        w = v1.Variable([0.0, 0.0, 0.0], dtype=tf.float32)
+        g_in = v1.placeholder(tf.float32, [3])
+        loss = tf.reduce_sum(w * g_in)  # d loss / d w = g_in, then times the scale
         setting = knobs["initial_scale"] if kind == "static" else "force_dynamic"
         extra = {} if kind == "static" else knobs
         opt = kv1.distributed_optimizer(
@@ -203,11 +255,11 @@ def test_tf1_graph_path_matches_reference(kind, knobs):
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             rows = []
-            for finite in SEQUENCE:
-                sess.run(train, {g_in: 1.0 if finite else np.inf})
+            for gradient in steps:
+                sess.run(train, {g_in: np.asarray(gradient, "float32")})
                 s, good, streak, skipped, wv = sess.run([*state, w])
                 rows.append((s, skipped, good, streak, -float(wv[0])))
-    assert as_rows(rows) == reference(kind, knobs, SEQUENCE)
+    assert as_rows(rows) == reference(kind, knobs, steps)
 
 
 # ---------------------------------------------------------------- the value
@@ -222,6 +274,10 @@ def test_loss_scale_is_frozen_and_round_trips():
     assert again == rule
     assert rule.start_state() == (8.0, 0, 0, 0)
     assert ls.LossScale("none").start_scale == 1.0 and not ls.LossScale("none").scaling
+    # A rule saved before kmp measured underflow comes back as it trained: overflow only.
+    before = {k: v for k, v in rule.to_config().items() if not k.startswith("underflow")}
+    assert ls.LossScale.from_config(before).underflow_threshold is None
+    assert rule.measures_underflow and not ls.LossScale("static").measures_underflow
 
 
 @pytest.mark.parametrize(
@@ -236,6 +292,10 @@ def test_loss_scale_is_frozen_and_round_trips():
         ({"min_scale": 0.0}, ValueError, "`min_scale` must be a positive"),
         ({"min_scale": 8.0, "max_scale": 4.0, "initial_scale": 4.0}, ValueError, "min_scale.*<="),
         ({"max_scale": float("inf")}, ValueError, "max_scale"),
+        ({"underflow_threshold": 1.0}, ValueError, r"`underflow_threshold` must be .*< 1"),
+        ({"underflow_threshold": 0}, ValueError, "underflow_threshold"),
+        ({"underflow_threshold": "1%"}, TypeError, "underflow_threshold"),
+        ({"underflow_patience": 0}, ValueError, "underflow_patience"),
         ({"initial_scale": 2.0**25}, ValueError, r"outside \[min_scale, max_scale\]"),
         ({"initial_scale": 0.5}, ValueError, r"outside \[min_scale, max_scale\]"),
         ({"initial_scale": 0}, ValueError, "`initial_scale` must be a positive finite number"),

@@ -1,4 +1,4 @@
-"""mnist1d (kmp.datasets.mnist1d, kmp.datasets.memory) and the paper's CNN in launch/."""
+"""mnist1d (kmp.datasets.mnist1d, kmp.datasets.memory) and the paper's CNN and GRU in launch/."""
 
 from __future__ import annotations
 
@@ -52,12 +52,18 @@ def test_rank_shards_and_dtype():
         mnist1d.load_arrays("dev")
 
 
-def test_the_papers_cnn():
-    import kmp
-
+def _workloads():
+    """launch/workloads.py (the reference script's models), loaded from its file."""
     spec = importlib.util.spec_from_file_location("kmp_w", ROOT / "launch" / "workloads.py")
     workloads = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(workloads)
+    return workloads
+
+
+def test_the_papers_cnn():
+    import kmp
+
+    workloads = _workloads()
     keras.config.set_dtype_policy("mixed_bfloat16")
     model = kmp.float32_outputs(workloads.build("mnist1d_cnn", (40,), 10, "bfloat16"))
     # Conv1d(1, 25, 5, stride 2, padding 1), then two Conv1d(25, 25, 3, ...): 40 -> 19 -> 10 -> 5.
@@ -68,3 +74,23 @@ def test_the_papers_cnn():
     assert model.get_layer("conv1").compute_dtype == "bfloat16"
     out = model(np.zeros((3, 40), "float32"))
     assert out.dtype == "float32" and out.shape == (3, 10)
+
+
+def test_the_papers_gru_trains_under_float16_with_the_underflow_rule():
+    """The recurrent baseline: its size, float16 inside, float32 out, kmp's rule reading it."""
+    import kmp
+
+    workloads = _workloads()
+    keras.config.set_dtype_policy("mixed_float16")
+    model = kmp.float32_outputs(workloads.build("mnist1d_gru", (40,), 10, "float32"))
+    # Per direction: 3 gates x 6 units x (1 input + 6 recurrent) + Keras's 2 x 18 biases.
+    gru = 3 * 6 * (1 + 6) + 2 * 3 * 6
+    assert model.count_params() == 2 * gru + (40 * 12 * 10 + 10)
+    assert model.get_layer("bigru").compute_dtype == "float16"
+    opt = kmp.wrap_optimizer(keras.optimizers.Adam(1e-2))
+    model.compile(opt, "sparse_categorical_crossentropy")
+    x, y = mnist1d.load_arrays("train")
+    model.fit(x[:200], y[:200], batch_size=100, epochs=1, verbose=0)
+    assert opt.loss_scale_rule.measures_underflow
+    assert 0.0 <= opt.underflow_share < 1.0 and opt.loss_scale >= 2.0**14
+    assert model(x[:3]).dtype == "float32"

@@ -260,8 +260,13 @@ def test_keras2_takes_the_settings_and_refuses_what_it_cannot_do():
         with pytest.raises(ValueError, match="tf-keras's scale has no upper bound"):
             keras2.wrap_optimizer(tf_keras.optimizers.Adam(), loss_scale=LossScale())
         unbounded = LossScale(initial_scale=64.0, max_scale=FLOAT32_MAX)
-        opt = keras2.wrap_optimizer(tf_keras.optimizers.Adam(), loss_scale=unbounded)
+        with pytest.raises(ValueError, match=r"underflow_threshold=0\.01 \(tf-keras uses None\)"):
+            keras2.wrap_optimizer(tf_keras.optimizers.Adam(), loss_scale=unbounded)
+        overflow_only = dataclasses.replace(unbounded, underflow_threshold=None)
+        opt = keras2.wrap_optimizer(tf_keras.optimizers.Adam(), loss_scale=overflow_only)
         assert opt.dynamic and float(opt.initial_scale) == 64.0
+        with pytest.raises(ValueError, match=r"underflow_threshold=0\.02"):
+            keras2.wrap_optimizer(tf_keras.optimizers.Adam(), underflow_threshold=0.02)
     finally:
         tf_keras.mixed_precision.set_global_policy("float32")
 

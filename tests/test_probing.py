@@ -62,6 +62,21 @@ def test_value_stats_count_underflow_and_overflow_exactly():
     json.dumps(s.to_dict())
 
 
+def test_the_loss_scale_rule_grows_on_underflow_up_to_the_probes_scale():
+    """The rule's early growth and kmp.probe's recommended scale draw the same line."""
+    from kmp import loss_scale as ls
+
+    rule = ls.LossScale(underflow_patience=1, growth_interval=10**6)
+    starved = np.bool_(True)
+    rng = np.random.default_rng(0)
+    for peak in 10.0 ** rng.uniform(-6, 3, size=200):  # the largest gradient at scale 1
+        for scale in 2.0 ** np.arange(0, 24, 3):
+            state = ls.ScaleState(np.float32(scale), np.int64(0), np.int64(0), np.int64(0))
+            stats = ls.GradientStats(np.float32(0.5), np.float32(peak * scale))
+            grown = ls.update(rule, state, starved, stats, xp=np).scale > scale
+            assert grown == (recommend_loss_scale([peak]) >= 2 * scale), (peak, scale)
+
+
 def test_recommend_loss_scale_leaves_a_margin_and_respects_bounds():
     assert recommend_loss_scale([1.0]) == 2.0**12  # 65504 / 8 = 8188 -> 4096
     assert recommend_loss_scale([1e-6, 0.5]) == 2.0**13

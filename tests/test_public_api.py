@@ -83,7 +83,7 @@ FACES: dict[str, set[str]] = {
         "latest_checkpoint",
         "verbosity",
     },
-    "kmp.loss_scale": {"LossScale", "ScaleState", "update"},
+    "kmp.loss_scale": {"GradientStats", "LossScale", "ScaleState", "gradient_stats", "update"},
     "kmp.master_weights": {
         "compensated_add",
         "keyed_random_bits",

@@ -40,11 +40,14 @@ def test_gradient_count_must_match():
 
 
 def test_same_training_as_hand_wired_keras_loss_scaling():
-    """Loss scaled once, not twice: identical to Keras's LossScaleOptimizer, step for step."""
+    """Loss scaled once, not twice: identical to Keras's LossScaleOptimizer, step for step.
+
+    ``underflow_threshold=None`` is Keras's rule (kmp's default also grows on underflow).
+    """
     x, y = data()
     ours = model_for("mixed_float16")
     start = ours.get_weights()
-    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), growth_interval=3)
+    opt = wrap_optimizer(keras.optimizers.Adam(1e-2), growth_interval=3, underflow_threshold=None)
     fit(ours, opt, x, y, epochs=2)
     ref = model_for("mixed_float16")
     ref.set_weights(start)
@@ -203,6 +206,27 @@ def test_save_and_load_keep_loss_scale_state(tmp_path):
     loaded.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
     assert max_diff(model.get_weights(), loaded.get_weights()) == 0.0
     assert (lo.loss_scale, lo.skipped_steps) == (opt.loss_scale, opt.skipped_steps)
+
+
+def test_a_save_from_before_the_underflow_rule_loads_into_it():
+    """An optimizer saved without the underflow reading restores into one that keeps it."""
+    x, y = data()
+    model = model_for("mixed_float16")
+    knobs = {"initial_scale": 1024, "growth_interval": 2}
+    old = wrap_optimizer(keras.optimizers.Adam(1e-2), underflow_threshold=None, **knobs)
+    fit(model, old, x, y)
+    store: dict = {}
+    old.save_own_variables(store)
+    new = wrap_optimizer(keras.optimizers.Adam(1e-2), **knobs)
+    new.build(model.trainable_variables)
+    assert len(new.variables) == len(store) + 1
+    new.load_own_variables(store)
+    share = new.underflow_share_variable
+    kept = [v for v in new.variables if v is not share]
+    assert max_diff([np.asarray(v) for v in kept], [np.asarray(v) for v in old.variables]) == 0
+    assert new.underflow_share == 0.0 and new.loss_scale == old.loss_scale == 4096.0
+    with pytest.warns(UserWarning, match="Skipping variable loading"):  # anything else: Keras's
+        new.load_own_variables({"0": np.int64(0)})
 
 
 def test_tf_checkpoint_keeps_loss_scale_state(tmp_path):

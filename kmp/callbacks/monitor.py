@@ -1,4 +1,4 @@
-"""LossScaleMonitor: the loss scale and skipped steps in the logs, and a stuck scale reported."""
+"""LossScaleMonitor: the loss scale, its growths, skipped steps and the underflow it saw."""
 
 from __future__ import annotations
 
@@ -62,6 +62,15 @@ def _read_loss_scale(scaler: Any | None) -> tuple[float | None, int | None]:
     return to_float(scaler.initial_scale if scale is None else scale), None
 
 
+def _growths(before: float | None, after: float, scaler: Any | None) -> int:
+    """How many growths took ``before`` to ``after`` (0 when it did not rise)."""
+    if before is None or not after > before:
+        return 0
+    rule = getattr(scaler, "loss_scale_rule", None)
+    factor = float(rule.growth_factor) if rule is not None else 2.0  # Keras's own factor
+    return max(1, round(math.log(after / before) / math.log(factor)))
+
+
 def _min_scale(scaler: Any | None) -> float | None:
     """The floor of a dynamic kmp scale (``loss_scale_rule.min_scale``), else None."""
     rule = getattr(scaler, "loss_scale_rule", None)
@@ -76,11 +85,16 @@ def _at_floor(scale: float | None, floor: float) -> bool:
 class LossScaleMonitor(keras.callbacks.Callback):
     """Put the loss scale and the count of skipped steps into the logs; report a stuck scale.
 
-    After every batch and epoch, ``logs["loss_scale"]`` and
+    After every batch and epoch, ``logs["loss_scale"]``,
     ``logs["skipped_steps"]`` (steps skipped so far because of inf/nan
-    gradients) are added, so the progress bar, ``History``, ``CSVLogger`` and
-    ``TensorBoard`` show them. When the count of skipped steps rises, the chief
-    prints ``overflow: step skipped, loss scale lowered to X``.
+    gradients) and ``logs["scale_growths"]`` (times the scale grew in this
+    training) are added, so the progress bar, ``History``, ``CSVLogger`` and
+    ``TensorBoard`` show them; with kmp's underflow-aware rule (the default for
+    float16), ``logs["underflow_share"]`` too: the share of the last step's
+    gradient values that float16 held only as subnormals, the reading that grows
+    the scale early. When the count of skipped steps rises, the chief prints
+    ``overflow: step skipped, loss scale lowered to X``; with ``verbose=2`` it
+    also prints each growth.
 
     A scale that sits at its ``min_scale`` while steps keep overflowing is
     *stuck*: every step is skipped and the model no longer trains. After
@@ -111,6 +125,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
     Attributes:
         stuck_steps: Overflowing steps in a row taken at ``min_scale`` so far.
         stopped: True once the monitor stopped training.
+        growths: Times the scale grew since training began (read after each batch; with
+            ``steps_per_execution > 1`` growths and back-offs inside one call may
+            cancel out).
     """
 
     def __init__(
@@ -138,6 +155,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._reported = False
         self.stuck_steps = 0
         self.stopped = False
+        self.growths = 0
 
     def current(self, scaler: Any | None = None) -> tuple[float | None, int | None]:
         """Return ``(loss_scale, skipped_steps)`` now, or ``(None, None)`` without scaling."""
@@ -177,10 +195,19 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 chief_print(f"overflow: {steps}, loss scale {now}")
             if step:  # a batch ended: judge the steps it ran
                 self._track_stuck(scaler, new, scale)
+        grown = _growths(self._last_scale, scale, scaler)
+        self.growths += grown
+        share = getattr(scaler, "underflow_share", None)
+        if grown and self.verbose > 1:
+            seen = "" if share is None else f" (underflow share {100 * share:.2f} %)"
+            chief_print(f"loss scale raised to {scale:g}{seen}")
         self._last_scale, self._last_skipped = scale, skipped
         if logs is not None:
             logs["loss_scale"] = scale
             logs["skipped_steps"] = skipped
+            logs["scale_growths"] = self.growths
+            if share is not None:
+                logs["underflow_share"] = share
 
     def _track_stuck(self, scaler: Any, new_skips: int, scale: float) -> None:
         """Count overflows taken at the floor; warn or stop after ``patience`` in a row.

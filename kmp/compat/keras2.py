@@ -31,6 +31,7 @@ Example (set ``TF_USE_LEGACY_KERAS=1`` before TensorFlow is imported)::
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from types import ModuleType
 from typing import Any
@@ -50,11 +51,12 @@ __all__ = ["broadcast_callback", "is_legacy_keras", "set_global_policy", "wrap_o
 
 # The loss-scale knobs tf-keras's LossScaleOptimizer has fixed: its scale doubles, halves,
 # never drops below 1 and has no upper bound but float32's; it backs off at every overflow.
-TF_KERAS_RULE: dict[str, float] = {
+TF_KERAS_RULE: dict[str, float | None] = {
     "growth_factor": 2.0,
     "backoff_factor": 0.5,
     "min_scale": 1.0,
     "hysteresis": 1,
+    "underflow_threshold": None,  # tf-keras's rule looks at overflow only
 }
 
 
@@ -155,7 +157,9 @@ def _tf_keras_rule(
 
     tf-keras's scale has no upper bound but float32's, so that is the range checked here
     when ``max_scale`` is not given. A ``LossScale`` states every knob: a dynamic one must
-    leave its scale unbounded (``max_scale=kmp.loss_scale.FLOAT32_MAX``).
+    leave its scale unbounded (``max_scale=kmp.loss_scale.FLOAT32_MAX``) and not measure
+    underflow (``underflow_threshold=None``). The rule returned is what tf-keras does:
+    overflow alone moves its scale.
     """
     compute = km.mixed_precision.global_policy().compute_dtype
     rule = chosen.loss_scale_rule(compute, max_scale=_ls.FLOAT32_MAX)
@@ -178,7 +182,7 @@ def _tf_keras_rule(
             f"cannot do {', '.join(fixed)}. Leave these at their defaults, or move the model "
             "to Keras 3 and use kmp.wrap_optimizer, which has every knob."
         )
-    return rule
+    return dataclasses.replace(rule, underflow_threshold=None)  # what tf-keras will do
 
 
 def wrap_optimizer(
@@ -208,11 +212,13 @@ def wrap_optimizer(
             ``loss_scale`` follows the module's global policy (read when this is called);
             a static scale makes tf-keras apply non-finite steps too, unlike
             :func:`kmp.wrap_optimizer`; a ``LossScale`` must have the knobs tf-keras has
-            (a dynamic one with ``max_scale=kmp.loss_scale.FLOAT32_MAX``).
-            ``initial_scale`` must be >= 1 and ``growth_interval`` is tf-keras's
-            ``dynamic_growth_steps``; ``growth_factor``, ``backoff_factor``,
-            ``min_scale`` and ``hysteresis`` can only be tf-keras's
-            (:data:`TF_KERAS_RULE`); ``max_scale`` cannot be set (the scale has no upper
+            (a dynamic one with ``max_scale=kmp.loss_scale.FLOAT32_MAX`` and
+            ``underflow_threshold=None``). ``initial_scale`` must be >= 1 and
+            ``growth_interval`` is tf-keras's ``dynamic_growth_steps``;
+            ``growth_factor``, ``backoff_factor``, ``min_scale`` and ``hysteresis`` can
+            only be tf-keras's (:data:`TF_KERAS_RULE`), and ``underflow_threshold`` only
+            None (tf-keras's scale follows overflow alone; left at its default, it is
+            turned off here); ``max_scale`` cannot be set (the scale has no upper
             bound). ``compression`` may also be a Horovod ``Compression`` class.
             ``scale_lr`` scales the rate in place (a schedule cannot be scaled here).
             ``bucket_bytes`` can only be None or its default: Horovod's Keras layer

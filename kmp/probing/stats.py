@@ -15,6 +15,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
+# float16's largest value, and the headroom a scale leaves below it: the loss-scale rule's
+# (its early growths stop where this module's recommended scale does).
+from kmp.loss_scale import FLOAT16_MAX, SCALE_MARGIN
+
 __all__ = [
     "FLOAT16_MAX",
     "FLOAT16_SMALLEST",
@@ -23,12 +27,8 @@ __all__ = [
     "recommend_loss_scale",
 ]
 
-FLOAT16_MAX = 65504.0
 FLOAT16_SMALLEST = 2.0**-24  # the smallest subnormal: anything smaller is lost
 BFLOAT16_MAX = float(np.finfo(np.float32).max)  # bfloat16 has float32's exponent range
-# The recommended scale leaves the largest scaled gradient this factor below FLOAT16_MAX
-# (three doublings of headroom: gradients grow as training moves).
-SCALE_MARGIN = 8.0
 # Binary exponents (np.frexp: |v| = m * 2**e, 0.5 <= m < 1) kept in the histogram.
 _EXP_MIN, _EXP_MAX = -160, 160
 

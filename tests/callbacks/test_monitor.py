@@ -74,11 +74,17 @@ def test_monitor_reads_kmp_style_attributes(capsys):
     mon.on_train_begin()
     logs: dict = {}
     mon.on_train_batch_end(0, logs)
-    assert logs == {"loss_scale": 256.0, "skipped_steps": 3}
+    assert logs == {"loss_scale": 256.0, "skipped_steps": 3, "scale_growths": 0}
     _Scaled.loss_scale, _Scaled.skipped_steps = 128.0, 5
     mon.on_epoch_end(0, logs)
-    assert logs == {"loss_scale": 128.0, "skipped_steps": 5}
+    assert logs == {"loss_scale": 128.0, "skipped_steps": 5, "scale_growths": 0}
     assert "overflow: 2 steps skipped, loss scale lowered to 128" in capsys.readouterr().out
+    # Two doublings between reads (no rule to read: Keras's factor 2), and the underflow
+    # reading of a rule that measures it.
+    _Scaled.loss_scale, _Scaled.underflow_share = 512.0, 0.0125
+    mon.on_train_batch_end(1, logs)
+    assert logs["scale_growths"] == 2 and mon.growths == 2
+    assert logs["underflow_share"] == 0.0125
 
 
 def test_monitor_with_kmp_wrap_optimizer(capsys):

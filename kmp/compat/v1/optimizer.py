@@ -207,7 +207,10 @@ class DistributedOptimizer(_v1.train.Optimizer):
 
         apply_op = tf.cond(finite, apply_fn, tf.no_op)
         current = _ls.ScaleState(*(tf.identity(v) for v in state))
-        new = _ls.update(self._rule, current, finite, xp=tf)
+        stats = None
+        if self._rule.measures_underflow:  # the gradients here are unscaled already
+            stats = _ls.gradient_stats(grads, scaled_by=current.scale, xp=tf)
+        new = _ls.update(self._rule, current, finite, stats, xp=tf)
         update_op = tf.group(*(v.assign(x) for v, x in zip(state, new, strict=True)))
         return tf.group(apply_op, update_op, name=name or self.get_name())
 
