@@ -273,9 +273,10 @@ def _namespace(xp: Any) -> tuple[Any, Any, Any, Any]:
 def gradient_stats(grads: list, scaled_by: Any = None, xp: Any = None) -> GradientStats:
     """Measure :class:`GradientStats` over ``grads`` (None entries are left out).
 
-    A few reductions per gradient (a masked count and a maximum), fused by the
-    compiler with the finite check beside them; every rank measures the same averaged
-    gradients, so every rank decides the same.
+    A few reductions per gradient (a masked count and a maximum), fused with the
+    finite check where the step is compiled (JAX, XLA), op by op in a plain TensorFlow
+    graph; every rank measures the same averaged gradients, so every rank decides the
+    same.
 
     Args:
         grads: Dense gradient values (a sparse gradient's values), still multiplied by

@@ -243,7 +243,7 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         """What the rule reads from the averaged, still-scaled gradients (None: nothing)."""
         if not self.loss_scale_rule.measures_underflow:
             return None
-        return _ls.gradient_stats([sparse.values_of(g) for g in grads if g is not None])
+        return _ls.gradient_stats([sparse.values_of(g) for g in grads])  # None: left out
 
     def _scale_in_use(self, state_scale: Any) -> Any:
         rule = self.loss_scale_rule

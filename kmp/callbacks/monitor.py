@@ -197,8 +197,10 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 self._track_stuck(scaler, new, scale)
         grown = _growths(self._last_scale, scale, scaler)
         self.growths += grown
-        share = getattr(scaler, "underflow_share", None)
-        if grown and self.verbose > 1:
+        printed = grown and self.verbose > 1
+        # The reading costs a read of the optimizer: only when it is logged or printed.
+        share = getattr(scaler, "underflow_share", None) if printed or logs is not None else None
+        if printed:
             seen = "" if share is None else f" (underflow share {100 * share:.2f} %)"
             chief_print(f"loss scale raised to {scale:g}{seen}")
         self._last_scale, self._last_skipped = scale, skipped
