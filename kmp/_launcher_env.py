@@ -18,6 +18,7 @@ This module imports only kmp._names (the engine names) from kmp.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 
@@ -26,7 +27,10 @@ from kmp._names import ENGINE_NAMES
 __all__ = [
     "COORDINATOR_VAR",
     "ENGINE_VAR",
+    "JAX_HEARTBEAT_VAR",
+    "JAX_SHUTDOWN_VAR",
     "JAX_TIMEOUT_VAR",
+    "JaxTimeouts",
     "LOCAL_RUN_VARS",
     "LAUNCH_RANK_VARS",
     "LAUNCH_SIZE_VARS",
@@ -38,7 +42,7 @@ __all__ = [
     "launched_elastic",
     "launched_engine",
     "launched_jax_step",
-    "launched_jax_timeout",
+    "launched_jax_timeouts",
     "launched_local_run_size",
     "launched_rank",
     "launched_world_size",
@@ -54,6 +58,11 @@ __all__ = [
 ENGINE_VAR = "KMP_ENGINE"
 COORDINATOR_VAR = "KMP_COORDINATOR"
 JAX_TIMEOUT_VAR = "KMP_JAX_TIMEOUT"
+# How long JAX's distributed service waits for a process's heartbeat before it takes the
+# process for dead and ends the whole job, and how long a process that finished waits at
+# exit for the others (JaxTimeouts: the defaults and why).
+JAX_HEARTBEAT_VAR = "KMP_JAX_HEARTBEAT_TIMEOUT"
+JAX_SHUTDOWN_VAR = "KMP_JAX_SHUTDOWN_TIMEOUT"
 # Which train step the JAX engine runs: kmp's (gradients reduced in one flat all-reduce,
 # kmp.distributed._jax_step) or Keras's own (XLA reduces each gradient), for comparison.
 JAX_STEP_VAR = "KMP_JAX_STEP"
@@ -291,20 +300,57 @@ def launched_coordinator(environ: Mapping[str, str] | None = None) -> str | None
     return value
 
 
-def launched_jax_timeout(environ: Mapping[str, str] | None = None) -> int:
-    """Return how many seconds the JAX engine waits for every process (``KMP_JAX_TIMEOUT``).
+@dataclasses.dataclass(frozen=True)
+class JaxTimeouts:
+    """The JAX engine's timeouts, in seconds (``jax.distributed.initialize``'s).
+
+    Attributes:
+        join: How long a process waits for every process to join (``KMP_JAX_TIMEOUT``).
+        heartbeat: How long JAX's distributed service waits for a process's heartbeat
+            before it takes the process for dead and ends every process of the job
+            (``KMP_JAX_HEARTBEAT_TIMEOUT``). JAX's own default, 100 s, ends a job whose
+            process is stalled that long: starved on a loaded node, paused, swapping. kmp
+            waits 600 s (PyTorch's default for an NCCL collective), more than
+            SLURM's default ``SlurmdTimeout`` (300 s), so a failed node is SLURM's to find
+            and requeue, as with ``--gloo-timeout`` (docs/slurm.md). A process that dies
+            is noticed at once all the same: its peers' collectives fail.
+        shutdown: How long a process that finished waits at exit for the others
+            (``KMP_JAX_SHUTDOWN_TIMEOUT``). JAX's default, 300 s, fails a job whose
+            chief still saves, evaluates or exports after the others finished; kmp
+            waits 600 s.
+    """
+
+    join: int = 300
+    heartbeat: int = 600
+    shutdown: int = 600
+
+
+def launched_jax_timeouts(environ: Mapping[str, str] | None = None) -> JaxTimeouts:
+    """Return the JAX engine's timeouts: :class:`JaxTimeouts`'s defaults, or the variables'.
+
+    Args:
+        environ: Environment to read (default ``os.environ``).
 
     Raises:
-        ValueError: It is set to something other than a positive integer.
+        ValueError: A variable is set to something other than a positive integer.
     """
-    found = _first_int(
-        environ,
-        (JAX_TIMEOUT_VAR,),
-        minimum=1,
-        meaning="a number of seconds",
-        hint="unset it (300 s), or give the seconds to wait for every process to join.",
-    )
-    return 300 if found is None else found
+    defaults = JaxTimeouts()
+    found = {}
+    for field, var, what in (
+        ("join", JAX_TIMEOUT_VAR, "to wait for every process to join"),
+        ("heartbeat", JAX_HEARTBEAT_VAR, "a silent process has before the job ends"),
+        ("shutdown", JAX_SHUTDOWN_VAR, "a finished process waits for the others"),
+    ):
+        value = _first_int(
+            environ,
+            (var,),
+            minimum=1,
+            meaning="a number of seconds",
+            hint=f"unset it ({getattr(defaults, field)} s), or give the seconds {what}.",
+        )
+        if value is not None:
+            found[field] = value
+    return dataclasses.replace(defaults, **found)
 
 
 def launched_jax_step(environ: Mapping[str, str] | None = None) -> str:

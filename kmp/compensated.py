@@ -53,6 +53,12 @@ class CompensatedUpdates:
         setting: A canonical ``master_weights`` setting.
         seed: The stochastic rounding's seed.
 
+    Attributes:
+        fuse_updates: In a TensorFlow graph, each weight's whole update is one compiled
+            computation (True, the default). False runs it op by op, in the same order:
+            the reference the step-memory test compares against (each update then holds
+            several float32 copies of its weight). Read when a step is traced.
+
     Raises:
         ValueError: A weight's dtype does not allow ``setting``
             (:func:`kmp.master_weights.update_mode`).
@@ -71,6 +77,7 @@ class CompensatedUpdates:
         self._views: dict[int, tuple[Any, tuple[str, int, Any]]] = {}  # id(view) -> (var, entry)
         self._last: Any = None  # the latest update's value (TensorFlow graphs: the order)
         self._fused_updates: dict[Any, Any] = {}  # var key -> its compiled update (TensorFlow)
+        self.fuse_updates = True
         for index, v in enumerate(variables):
             mode = _mw.update_mode(setting, str(v.dtype))
             self.modes[v.path] = mode
@@ -137,7 +144,7 @@ class CompensatedUpdates:
             if entry is None:
                 return original["update_step"](gradient, variable, learning_rate)
             with self._after_previous():
-                if not _in_tf_graph() or sparse.is_sparse(gradient):
+                if not (_in_tf_graph() and self.fuse_updates) or sparse.is_sparse(gradient):
                     return on_view(gradient, variable, entry, learning_rate)
                 # The whole update of this weight (the optimizer's arithmetic, its slots'
                 # and the weight's rounding) as one XLA computation: its float32

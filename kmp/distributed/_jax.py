@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from kmp._keras_local import local_variables
+from kmp._launcher_env import JaxTimeouts
 from kmp.distributed import _jax_step
 from kmp.distributed.engines import Engine, Layout, Transport, layout
 
@@ -71,7 +72,7 @@ def start(
     num_processes: int,
     process_id: int,
     *,
-    timeout_s: int,
+    timeouts: JaxTimeouts,
     local_device: int | None = None,
     own_step: bool = True,
 ) -> None:
@@ -88,14 +89,15 @@ def start(
         coordinator: ``host:port`` of process 0's coordinator service.
         num_processes: How many processes the job has.
         process_id: This process's id, 0 to ``num_processes - 1``.
-        timeout_s: How long to wait for every process to join.
+        timeouts: How long to wait for every process to join, for a silent process's
+            heartbeat, and at exit for the others (:class:`kmp._launcher_env.JaxTimeouts`).
         local_device: The one GPU this process takes when several processes
             share a host (its local rank); None: every local GPU (one process
             per host). CPU devices are not affected.
         own_step: Train with kmp's step (:mod:`kmp.distributed._jax_step`), not Keras's.
 
     Raises:
-        RuntimeError: The group did not form within ``timeout_s`` (a process did
+        RuntimeError: The group did not form within ``timeouts.join`` (a process did
             not start, or cannot reach the coordinator), or the coordinator's
             port is taken; the message says which and what to do. Also raised
             before joining when this Keras lacks the hook point kmp needs
@@ -104,10 +106,13 @@ def start(
     import jax
 
     _install_hooks(own_step)
+    timeout_s = timeouts.join
     _check_coordinator(coordinator, process_id, timeout_s)
     print(
         f"[kmp] process {process_id} of {num_processes} joins the JAX job at {coordinator}; "
-        f"if a process never joins, JAX ends this one after {timeout_s} s (KMP_JAX_TIMEOUT).",
+        f"if a process never joins, JAX ends this one after {timeout_s} s (KMP_JAX_TIMEOUT); "
+        f"once joined, a process silent for {timeouts.heartbeat} s ends the job "
+        "(KMP_JAX_HEARTBEAT_TIMEOUT).",
         file=sys.stderr,
         flush=True,
     )
@@ -118,6 +123,8 @@ def start(
             num_processes=num_processes,
             process_id=process_id,
             initialization_timeout=timeout_s,
+            heartbeat_timeout_seconds=timeouts.heartbeat,
+            shutdown_timeout_seconds=timeouts.shutdown,
             local_device_ids=None if local_device is None else [local_device],
             # kmp's launcher said who is who: JAX must not also read SLURM's or MPI's
             # variables (under srun it would take one GPU per node by SLURM_LOCALID).

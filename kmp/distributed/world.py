@@ -256,7 +256,7 @@ def _start_jax(n: int) -> Engine:
         coordinator,
         n,
         process_id,
-        timeout_s=_env.launched_jax_timeout(),
+        timeouts=_env.launched_jax_timeouts(),
         local_device=local_rank_ if shared else None,
         own_step=_env.launched_jax_step() == "flat",
     )

@@ -60,14 +60,18 @@ def test_launcher_variables_of_the_jax_engine():
     e = {"KMP_ENGINE": "JAX", "KMP_COORDINATOR": "h1:29500", "HOROVOD_RANK": "3"}
     assert env.launched_engine(e) == "jax" and env.launched_engine({}) is None
     assert env.launched_coordinator(e) == "h1:29500" and env.launched_rank(e) == 3
-    assert env.launched_jax_timeout({}) == 300
-    assert env.launched_jax_timeout({"KMP_JAX_TIMEOUT": "7"}) == 7
+    assert env.launched_jax_timeouts({}) == env.JaxTimeouts(join=300, heartbeat=600, shutdown=600)
+    timeouts = {"KMP_JAX_TIMEOUT": "7", "KMP_JAX_HEARTBEAT_TIMEOUT": "9"}
+    assert env.launched_jax_timeouts(timeouts) == env.JaxTimeouts(7, 9, 600)
+    assert env.launched_jax_timeouts({"KMP_JAX_SHUTDOWN_TIMEOUT": "5"}).shutdown == 5
     for bad, call, message in [
         ({"KMP_ENGINE": "mpi"}, env.launched_engine, "not an engine"),
         ({"KMP_COORDINATOR": "h1"}, env.launched_coordinator, "not host:port"),
         ({"KMP_COORDINATOR": "h1:99999"}, env.launched_coordinator, "not host:port"),
         ({"HOROVOD_RANK": "-1"}, env.launched_rank, "not a rank"),
-        ({"KMP_JAX_TIMEOUT": "0"}, env.launched_jax_timeout, "number of seconds"),
+        ({"KMP_JAX_TIMEOUT": "0"}, env.launched_jax_timeouts, "number of seconds"),
+        ({"KMP_JAX_HEARTBEAT_TIMEOUT": "1m"}, env.launched_jax_timeouts, "HEARTBEAT.*600 s"),
+        ({"KMP_JAX_SHUTDOWN_TIMEOUT": "-3"}, env.launched_jax_timeouts, "SHUTDOWN.*600 s"),
     ]:
         with pytest.raises(ValueError, match=message):
             call(bad)
@@ -219,7 +223,7 @@ def test_a_keras_without_the_hook_point_fails_at_engine_start(monkeypatch):
     point = ("keras.src.backend.jax.core", "JaxVariable", "_gone", ("self", "value"))
     monkeypatch.setattr(_jax, "HOOK_POINT", point)
     with pytest.raises(RuntimeError, match=r"JaxVariable\._gone.*keras==3\.15.*--engine horovod"):
-        _jax.start("127.0.0.1:1", 2, 0, timeout_s=1)  # before joining: nothing started
+        _jax.start("127.0.0.1:1", 2, 0, timeouts=env.JaxTimeouts(join=1))  # nothing started
 
 
 def _assert_started_from_process_0(ranks: list[dict], engine: str) -> None:
@@ -254,7 +258,13 @@ def test_the_same_per_process_seed_script_under_horovod():
 # ----------------------------------------------------------- real processes
 
 
-def _jax_process(rank: int, port: int, timeout_s: int) -> subprocess.Popen:
+def _jax_process(
+    rank: int,
+    port: int,
+    timeout_s: int,
+    code: str = "import kmp; kmp.distributed.init(); print('joined')",
+    **extra: str,
+) -> subprocess.Popen:
     child_env = {
         **os.environ,
         "KERAS_BACKEND": "jax",
@@ -264,8 +274,8 @@ def _jax_process(rank: int, port: int, timeout_s: int) -> subprocess.Popen:
         "HOROVOD_SIZE": "2",
         "HOROVOD_RANK": str(rank),
         "PYTHONPATH": str(ROOT),
+        **extra,
     }
-    code = "import kmp; kmp.distributed.init(); print('joined')"
     return subprocess.Popen(
         [sys.executable, "-c", code],
         env=child_env,
@@ -294,6 +304,49 @@ def test_a_process_nobody_joins_ends_after_the_timeout():
         proc.kill()
     assert proc.returncode != 0 and "joined" not in out
     assert "process 0 of 2 joins the JAX job" in err and "after 3 s (KMP_JAX_TIMEOUT)" in err
+
+
+# Process 1 stops (SIGSTOP, as a starved, paused or swapping process would) between two
+# all-reduces, for STALL_S seconds, then goes on.
+STALL_S = 8
+STALLED_JOB = f"""
+import os, signal, subprocess
+import numpy as np
+import kmp
+world = kmp.distributed.init()
+before = float(kmp.distributed.allreduce(np.float32(world.rank + 1), op="sum"))
+if world.rank == 1:
+    subprocess.Popen(["sh", "-c", f"sleep {STALL_S}; kill -CONT {{os.getpid()}}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+after = float(kmp.distributed.allreduce(np.float32(world.rank + 1), op="sum"))
+print("sums", before, after, flush=True)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("heartbeat_s", [30, 2])
+def test_a_stalled_process_ends_the_job_only_after_the_heartbeat_timeout(heartbeat_s):
+    """KMP_JAX_HEARTBEAT_TIMEOUT reaches JAX's distributed service: an 8 s stall passes
+    under 30 s; under 2 s JAX takes the stalled process for dead and ends the job, saying so
+    (the failure SLURM jobs on a loaded node met under JAX's default 100 s)."""
+    port = pick_port()
+    procs = [
+        _jax_process(r, port, 60, STALLED_JOB, KMP_JAX_HEARTBEAT_TIMEOUT=str(heartbeat_s))
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    codes = [p.returncode for p in procs]
+    if heartbeat_s > STALL_S:
+        assert codes == [0, 0], outs
+        assert all("sums 3.0 3.0" in out for out, _ in outs), outs
+        assert f"a process silent for {heartbeat_s} s ends the job" in outs[0][1]
+    else:
+        assert codes[0] != 0 and "sums 3.0 3.0" not in outs[0][0], outs
+        assert "heartbeat" in outs[0][1].lower(), outs[0][1][-3000:]
 
 
 def test_the_coordinator_port_in_use_is_a_clear_error():
