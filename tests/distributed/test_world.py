@@ -11,6 +11,7 @@ import pytest
 
 import kmp
 import kmp.distributed as dist
+from kmp import _launcher_env as _env
 from kmp.distributed import _horovod, _jax, collectives, engines
 from kmp.distributed.world import _configure_local_gpu
 from tests._support import ROOT, patch_tf_gpus
@@ -346,8 +347,8 @@ def test_init_starts_the_engine_of_the_launch(no_launcher, monkeypatch):
         calls.append(("horovod", n, elastic))
         return sentinel if n > 1 or elastic else None  # None: one process, no Horovod
 
-    def jax_start(coordinator, n, process_id, *, timeout_s, local_device=None, own_step=True):
-        calls.append(("jax", coordinator, n, process_id, timeout_s, local_device, own_step))
+    def jax_start(coordinator, n, process_id, *, timeouts, local_device=None, own_step=True):
+        calls.append(("jax", coordinator, n, process_id, timeouts, local_device, own_step))
 
     monkeypatch.setattr(_horovod, "start", hvd_start)
     monkeypatch.setattr(_jax, "start", jax_start)
@@ -374,7 +375,11 @@ def test_init_starts_the_engine_of_the_launch(no_launcher, monkeypatch):
     for var, value in jax_env.items():
         monkeypatch.setenv(var, value)
     assert isinstance(start("jax"), _jax.JaxEngine)
-    assert calls == [("jax", "h1:29500", 2, 1, 300, 1, True)]  # two on the host: one GPU each
+    # Two on the host: one GPU each; the launcher's defaults for join, heartbeat and shutdown.
+    assert calls == [("jax", "h1:29500", 2, 1, _env.JaxTimeouts(), 1, True)]
+    monkeypatch.setenv("KMP_JAX_HEARTBEAT_TIMEOUT", "45")
+    start("jax")
+    assert calls[-1][4] == _env.JaxTimeouts(heartbeat=45)
     monkeypatch.setenv("KMP_JAX_STEP", "keras")  # Keras's own train step, for comparison
     start("jax")
     assert calls[-1][-1] is False
