@@ -50,8 +50,11 @@ import sys
 import tempfile
 import warnings
 
-# Before TensorFlow starts: its CPU allocator keeps statistics only in BFC mode.
-os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+# Before TensorFlow starts: its CPU allocator keeps statistics only in BFC mode. Only where
+# this file runs as the program (its children too): imported, it leaves the importer's
+# environment alone (a test process, whose later tests would start TensorFlow in BFC mode).
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _states

@@ -42,11 +42,27 @@ LONGEST_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(config, items):
-    """Put the modules of LONGEST_FIRST first, in its order; keep every other order."""
+# KMP_TEST_ORDER=reverse runs the collected tests in the reverse order instead (modules
+# and the tests within each): a test that passes only because another ran first, in the
+# same process, fails one of the two ways (`-n 0`: all of them in one process).
+ORDERS = ("longest-first", "reverse")
+
+
+def order_items(items: list, order: str) -> None:
+    """Sort pytest's items in place: LONGEST_FIRST's modules first or everything reversed."""
+    if order not in ORDERS:
+        raise pytest.UsageError(f"KMP_TEST_ORDER={order!r}: use one of {', '.join(ORDERS)}.")
+    if order == "reverse":
+        items.reverse()
+        return
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     # list.sort is stable: items of the same rank (all the others) keep their order.
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Put the modules of LONGEST_FIRST first, in its order; keep every other order."""
+    order_items(items, os.environ.get("KMP_TEST_ORDER", "longest-first"))
 
 
 @pytest.fixture
