@@ -7,7 +7,9 @@ from the allocation and ``srun`` starts the ranks. Checked: the ranks run on the
 allocation's nodes and end bit-identical, on Horovod (Gloo and MPI through PMIx)
 and on the JAX engine, with the accuracy of the same job on one node; a job whose
 node fails is requeued by SLURM and resumes from its last checkpoint to the same
-accuracy as the run that never failed; ``scancel`` leaves no rank behind.
+accuracy as the run that never failed; ``scancel`` leaves no rank behind. The four
+training jobs run two at a time (class Jobs), and each test reads only the jobs it
+checks.
 """
 
 from __future__ import annotations
@@ -100,6 +102,12 @@ def wait(job: str, until=lambda info: info["JobState"] in FINAL, timeout: float 
     raise AssertionError(f"job {job} still {info['JobState']} after {timeout} s: {info}")
 
 
+def wait_to_end(job: str, queued: float = 1200, running: float = 400) -> dict:
+    """Wait while the job is held in the queue, then up to ``running`` s once it started."""
+    wait(job, until=lambda i: i["JobState"] != "PENDING", timeout=queued)
+    return wait(job, timeout=running)
+
+
 def summaries(folder: Path, name: str, n: int) -> list[dict]:
     return [json.loads((folder / f"{name}-{r}.json").read_text()) for r in range(n)]
 
@@ -109,29 +117,56 @@ def train(folder: Path, name: str, *extra: str) -> list[str]:
     return [*TRAIN, "--checkpoint-dir", str(folder / f"{name}-ckpt"), "--summary", summary, *extra]
 
 
-@pytest.fixture(scope="module")
-def finished(slurm, env, tmp_path_factory):
-    """Four jobs submitted together (SLURM runs them as nodes free up), then their results."""
-    folder = tmp_path_factory.mktemp("jobs")
-    two, one = ["--nodes=2", "--ntasks-per-node=1"], ["--nodes=1", "--ntasks-per-node=2"]
-    jobs = {
-        "gloo": submit(folder, "gloo", two, train(folder, "gloo"), env),
-        "one-node": submit(folder, "one-node", one, train(folder, "one-node"), env),
-        "jax": submit(folder, "jax", two, ["--engine", "jax", *train(folder, "jax")], env),
-        "mpi": submit(folder, "mpi", two, ["--mpi", *train(folder, "mpi")], env),
-    }
-    results = {}
-    for name, job in jobs.items():
-        info = wait(job)
-        log = (folder / f"{name}.out").read_text(errors="replace")
+class Jobs:
+    """The module's four training jobs: each test waits for, and checks, only its own.
+
+    Two jobs run at a time (``--dependency=afterany``): Gloo across two nodes beside
+    the same job on one node, then the JAX engine beside MPI. Four 2-node jobs at
+    once share the machine's 2 cores eightfold; a job that fails or is slow errors
+    only the tests that read it.
+    """
+
+    def __init__(self, folder: Path, env: dict[str, str]):
+        self.folder = folder
+        two, one = ["--nodes=2", "--ntasks-per-node=1"], ["--nodes=1", "--ntasks-per-node=2"]
+        self.ids = {
+            "gloo": submit(folder, "gloo", two, train(folder, "gloo"), env),
+            "one-node": submit(folder, "one-node", one, train(folder, "one-node"), env),
+        }
+        after = [f"--dependency=afterany:{self.ids['gloo']}:{self.ids['one-node']}"]
+        jax = ["--engine", "jax", *train(folder, "jax")]
+        self.ids["jax"] = submit(folder, "jax", [*two, *after], jax, env)
+        mpi = ["--mpi", *train(folder, "mpi")]
+        self.ids["mpi"] = submit(folder, "mpi", [*two, *after], mpi, env)
+        self._ended: dict[str, dict] = {}
+
+    def ended(self, name: str) -> dict:
+        """The job's final ``scontrol`` fields, once it ended (in any state)."""
+        if name not in self._ended:
+            self._ended[name] = wait_to_end(self.ids[name])
+        return self._ended[name]
+
+    def settle(self) -> None:
+        """Wait for every job to end: nothing of theirs runs on a node a test takes down."""
+        for name in self.ids:
+            self.ended(name)
+
+    def result(self, name: str) -> dict:
+        """The completed job's fields, log and per-rank summaries; fails if it did not."""
+        info = self.ended(name)
+        log = (self.folder / f"{name}.out").read_text(errors="replace")
         assert info["JobState"] == "COMPLETED", f"{name}: {info}\n{log[-6000:]}"
-        results[name] = {"info": info, "log": log, "ranks": summaries(folder, name, 2)}
-    return results
+        return {"info": info, "log": log, "ranks": summaries(self.folder, name, 2)}
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm, env, tmp_path_factory) -> Jobs:
+    return Jobs(tmp_path_factory.mktemp("jobs"), env)
 
 
 @pytest.mark.parametrize("name", ["gloo", "mpi", "jax"])
-def test_an_sbatch_job_on_two_nodes_ends_bit_identical(finished, name):
-    run = finished[name]
+def test_an_sbatch_job_on_two_nodes_ends_bit_identical(jobs, name):
+    run = jobs.result(name)
     ranks = run["ranks"]
     hosts = [r["hostname"] for r in ranks]
     # One rank per node, in the allocation's order, as srun placed them.
@@ -144,8 +179,9 @@ def test_an_sbatch_job_on_two_nodes_ends_bit_identical(finished, name):
           f"difference {ranks[0]['weights_max_diff']}")  # fmt: skip
 
 
-def test_two_nodes_train_exactly_as_one_node_does(finished):
+def test_two_nodes_train_exactly_as_one_node_does(jobs):
     """Horovod over Gloo across nodes, over MPI, and on one node: the same sums, same model."""
+    finished = {name: jobs.result(name) for name in jobs.ids}
     one = finished["one-node"]["ranks"]
     assert [r["hostname"] for r in one] == [one[0]["hostname"]] * 2
     accuracy = {k: finished[k]["ranks"][0]["test_accuracy"] for k in ("one-node", "gloo", "mpi")}
@@ -182,11 +218,13 @@ def test_scancel_ends_every_rank(slurm, env, tmp_path):
     assert wait(job, timeout=30)["JobState"] == "CANCELLED"
 
 
-def test_a_failed_node_requeues_the_job_which_resumes_exactly(slurm, env, finished, tmp_path):
+def test_a_failed_node_requeues_the_job_which_resumes_exactly(slurm, env, jobs, tmp_path):
     """The network link of one of the job's nodes goes down mid-training (a dead node, as the
     other nodes see it). SLURM marks it DOWN, requeues the job, and runs it again on the two
     nodes left; the job resumes from its last checkpoint and ends where the run that never
     failed ended."""
+    jobs.settle()  # nothing else runs on the node whose link goes down
+    reference = jobs.result("gloo")["ranks"][0]
     launch = ["--gloo-timeout", "300", *train(tmp_path, "requeue")]
     sbatch = ["--nodes=2", "--ntasks-per-node=1", "--requeue", "--open-mode=append"]
     job = submit(tmp_path, "requeue", sbatch, launch, env)
@@ -211,7 +249,6 @@ def test_a_failed_node_requeues_the_job_which_resumes_exactly(slurm, env, finish
     resumed = ranks[0]["resumed_from"]
     assert resumed and 3 <= ranks[0]["initial_epoch"] < EPOCHS, ranks[0]
     assert all(r["weights_max_diff"] == 0.0 for r in ranks)
-    reference = finished["gloo"]["ranks"][0]
     assert ranks[0]["test_accuracy"] == reference["test_accuracy"]  # exact resume
     restarted = [float(line.split()[-1]) for line in log.splitlines() if line.startswith("run 1 ")]
     print(
