@@ -61,7 +61,7 @@ def order_items(items: list, order: str) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Put the modules of LONGEST_FIRST first, in its order; keep every other order."""
+    """Order the run as KMP_TEST_ORDER says (default: LONGEST_FIRST's modules first)."""
     order_items(items, os.environ.get("KMP_TEST_ORDER", "longest-first"))
 
 
