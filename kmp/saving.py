@@ -57,6 +57,7 @@ def save_model(
     *,
     epoch: int = 0,
     step: int = 0,
+    steps_per_epoch: int | None = None,
     data_seed: int | None = None,
     rank_seed_states: tuple | None = None,
     rank_weights: _rw.RankWeights | None = None,
@@ -69,6 +70,7 @@ def save_model(
         path: The file; it must end with ``.keras``.
         epoch: Epochs completed (what ``fit(initial_epoch=...)`` resumes with).
         step: Batches of the next epoch done (0 at an epoch's end).
+        steps_per_epoch: Batches per epoch of the ``fit`` it is saved from (checked on resume).
         data_seed: The shuffle seed of the data pipeline (e.g. ``kmp.data.load``'s),
             checked when resuming.
         rank_seed_states: Every rank's random-generator states, from
@@ -97,7 +99,12 @@ def save_model(
             "state); for the weights alone use model.save_weights('....weights.h5')."
         )
     state = _ts.capture(
-        model, epoch=epoch, step=step, data_seed=data_seed, rank_seed_states=rank_seed_states
+        model,
+        epoch=epoch,
+        step=step,
+        steps_per_epoch=steps_per_epoch,
+        data_seed=data_seed,
+        rank_seed_states=rank_seed_states,
     )
     if rank_weights is not None:
         state = dataclasses.replace(state, rank_weights=rank_weights.paths)
@@ -407,6 +414,7 @@ def load_model(
             _rw.restore(model, _read_rank_weights(path), distributed.rank())
         if compiling:
             _follow_world(model, state)
+            setattr(model, _ts.LOADED_STATE, state)  # AtomicCheckpoint resumes from it
         _restore_kept(model, path, state, policy=name)
     elif compiling and _ts.seed_states(model):
         warnings.warn(

@@ -28,10 +28,15 @@ __all__ = [
     "WorldChange",
     "capture",
     "gather_seed_states",
+    "loaded_state",
     "restore_rng",
     "seed_states",
     "world_change",
 ]
+
+# The attribute kmp.load_model sets on a model it loads for training: the checkpoint's
+# TrainingState, which AtomicCheckpoint reads (and clears) to resume inside an epoch.
+LOADED_STATE = "_kmp_loaded_state"
 
 # The archive entry that holds the state, and the version of its layout.
 ENTRY = "kmp_state.json"
@@ -45,6 +50,8 @@ class TrainingState:
     Attributes:
         epoch: Epochs completed (``fit(initial_epoch=...)`` to resume with).
         step: Batches of the next epoch already done (0 at an epoch's end).
+        steps_per_epoch: Batches per epoch of the ``fit`` that wrote it (None: not
+            known), checked before a resume skips ``step`` batches.
         iterations: The optimizer's step count when saved (None: not compiled).
         optimizer: The optimizer's registered class name (None: not compiled).
         seed_states: Per rank, the ``[seed, counter]`` state of every
@@ -68,6 +75,7 @@ class TrainingState:
 
     epoch: int = 0
     step: int = 0
+    steps_per_epoch: int | None = None
     iterations: int | None = None
     optimizer: str | None = None
     seed_states: tuple[tuple[tuple[int, int], ...], ...] = ()
@@ -118,6 +126,11 @@ class TrainingState:
         return cls(**data)
 
 
+def loaded_state(model: keras.Model) -> TrainingState | None:
+    """Return the state ``kmp.load_model`` loaded ``model`` with, None when there is none."""
+    return getattr(model, LOADED_STATE, None)
+
+
 def seed_states(model: keras.Model) -> list[Any]:
     """The ``SeedGenerator`` state variables of ``model``, in ``model.variables`` order.
 
@@ -164,6 +177,7 @@ def capture(
     *,
     epoch: int = 0,
     step: int = 0,
+    steps_per_epoch: int | None = None,
     data_seed: int | None = None,
     rank_seed_states: tuple | None = None,
 ) -> TrainingState:
@@ -173,6 +187,7 @@ def capture(
         model: The model being saved.
         epoch: Epochs completed.
         step: Batches of the next epoch done.
+        steps_per_epoch: Batches per epoch of the ``fit`` being saved from.
         data_seed: The data pipeline's shuffle seed, to check on resume.
         rank_seed_states: Every rank's seed-generator states
             (:func:`gather_seed_states`); None records this process's alone.
@@ -195,6 +210,7 @@ def capture(
     return TrainingState(
         epoch=int(epoch),
         step=int(step),
+        steps_per_epoch=None if steps_per_epoch is None else int(steps_per_epoch),
         iterations=iterations,
         optimizer=name,
         seed_states=(

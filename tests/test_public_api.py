@@ -79,6 +79,7 @@ FACES: dict[str, set[str]] = {
         "LearningRateWarmup",
         "LossScaleMonitor",
         "MetricAverage",
+        "Preempted",
         "default_callbacks",
         "latest_checkpoint",
         "verbosity",

@@ -38,10 +38,11 @@ from kmp.callbacks.chief_only import ChiefOnly, chief_only
 from kmp.callbacks.defaults import default_callbacks
 from kmp.callbacks.metrics import MetricAverage
 from kmp.callbacks.monitor import LossScaleMonitor
+from kmp.callbacks.preemption import Preempted
 from kmp.callbacks.warmup import LearningRateWarmup
 
 # What a training script calls (tests/test_public_api.py pins it). ``latest_checkpoint``
-# returns a kmp.callbacks.checkpoint.FoundCheckpoint (``.path``, ``.epoch``), which no
+# returns a kmp.callbacks.checkpoint.FoundCheckpoint (``.path``, ``.epoch``, ``.step``), which no
 # script builds; the atomic write helper (``atomic_save``) stays in that module too.
 __all__ = [
     "AtomicCheckpoint",
@@ -50,6 +51,7 @@ __all__ = [
     "LearningRateWarmup",
     "LossScaleMonitor",
     "MetricAverage",
+    "Preempted",
     "chief_only",
     "default_callbacks",
     "latest_checkpoint",

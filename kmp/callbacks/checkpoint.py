@@ -1,171 +1,110 @@
-"""Checkpoints: atomic writes, the newest N kept, and finding the latest to resume from."""
+"""AtomicCheckpoint: the whole training state, at epoch ends, every N steps and on a signal.
+
+Names and finding the newest are :mod:`kmp.callbacks.checkpoint_files`'s; resuming
+inside an epoch is :mod:`kmp.callbacks.resume`'s; catching a scheduler's signal and the
+ranks' agreement is :mod:`kmp.callbacks.preemption`'s. This callback decides when to
+write and writes.
+"""
 
 from __future__ import annotations
 
 import math
 import os
-import re
-import string
+import time
 import warnings
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 
 from kmp import distributed, rank_weights
 from kmp._checks import check_bool, check_choice, check_int
-from kmp._files import atomic_write
 from kmp.callbacks._ranks import is_chief, to_float
+from kmp.callbacks.checkpoint_files import (
+    DEFAULT_CHECKPOINT_NAME,
+    DEFAULT_WEIGHTS_NAME,
+    TMP_PREFIX,
+    FoundCheckpoint,
+    atomic_save,
+    checkpoints,
+    latest_checkpoint,
+    template_regex,
+)
+from kmp.callbacks.checkpoint_schedule import InEpochSchedule
+from kmp.callbacks.preemption import DEFAULT_SIGNALS, Preempted, SignalCatcher, agree
+from kmp.callbacks.resume import StepSkipper, plan_skip
 from kmp.saving import save_model
-from kmp.training_state import gather_seed_states
+from kmp.training_state import LOADED_STATE, gather_seed_states, loaded_state
 
 __all__ = ["AtomicCheckpoint", "FoundCheckpoint", "atomic_save", "latest_checkpoint"]
 
-# File names used when AtomicCheckpoint is given a directory.
-DEFAULT_CHECKPOINT_NAME = "ckpt-{epoch:04d}.keras"
-DEFAULT_WEIGHTS_NAME = "ckpt-{epoch:04d}.weights.h5"
-# Temporary files start with this (atomic_write's default); latest_checkpoint skips them.
-_TMP_PREFIX = ".tmp-"
-
-
-class FoundCheckpoint(NamedTuple):
-    """What :func:`latest_checkpoint` found: a file and its epoch (not a callback).
-
-    Attributes:
-        path: The file, or None when there is none.
-        epoch: Epochs completed when it was written (``initial_epoch`` to
-            resume with), 0 when there is none.
-    """
-
-    path: str | None
-    epoch: int
-
-
-def _template_regex(template: str) -> re.Pattern[str]:
-    """Turn a file-name template such as ``ckpt-{epoch:04d}.keras`` into a regex."""
-    parts = []
-    has_epoch = False
-    for literal, field, _spec, _conv in string.Formatter().parse(template):
-        parts.append(re.escape(literal))
-        if field is None:
-            continue
-        if field == "epoch" and not has_epoch:
-            parts.append(r"(?P<epoch>\d+)")
-            has_epoch = True
-        elif field == "epoch":
-            parts.append(r"\d+")
-        else:
-            parts.append(r".+?")
-    if not has_epoch:
-        raise ValueError(
-            f"Checkpoint name {template!r} has no {{epoch}} field, so checkpoints cannot be "
-            "told apart by epoch: include it, e.g. 'ckpt-{epoch:04d}.keras'."
-        )
-    return re.compile("".join(parts))
-
-
-def _checkpoints(directory: str, template: str) -> list[tuple[int, str]]:
-    """Return ``(epoch, path)`` of the files in ``directory`` named by ``template``, by epoch."""
-    pattern = _template_regex(os.path.basename(template))
-    found = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        if name.startswith(_TMP_PREFIX):
-            continue
-        m = pattern.fullmatch(name)
-        path = os.path.join(directory, name)
-        if m and os.path.isfile(path):
-            found.append((int(m.group("epoch")), path))
-    found.sort()
-    return found
-
-
-def latest_checkpoint(directory: str | os.PathLike, template: str | None = None) -> FoundCheckpoint:
-    """Find the newest checkpoint in ``directory``, to resume training from it.
-
-    Args:
-        directory: Where :class:`AtomicCheckpoint` writes.
-        template: The file-name template it uses. Default: kmp's default
-            names, ``ckpt-{epoch:04d}.keras`` and ``ckpt-{epoch:04d}.weights.h5``.
-
-    Returns:
-        ``FoundCheckpoint(path, epoch)`` of the highest epoch, or
-        ``FoundCheckpoint(None, 0)`` when there is none. ``epoch`` is the number
-        of completed epochs: pass it to ``fit(initial_epoch=...)``.
-
-    Raises:
-        ValueError: ``template`` has no ``{epoch}`` field.
-
-    Example::
-
-        ckpt = kmp.callbacks.latest_checkpoint("runs/ckpt")
-        if ckpt.path:
-            model = keras.saving.load_model(ckpt.path)
-        model.fit(ds, epochs=10, initial_epoch=ckpt.epoch, callbacks=...)
-    """
-    directory = os.fspath(directory)
-    default = [DEFAULT_CHECKPOINT_NAME, DEFAULT_WEIGHTS_NAME]
-    templates = default if template is None else [template]
-    found = [c for t in templates for c in _checkpoints(directory, t)]
-    if not found:
-        return FoundCheckpoint(None, 0)
-    epoch, path = max(found)
-    return FoundCheckpoint(path, epoch)
-
-
-def atomic_save(path: str | os.PathLike, save: Callable[[str], Any]) -> str:
-    """Write a file atomically: ``save(tmp)`` in the same directory, then ``os.replace``.
-
-    Readers see the old file or the complete new one, never a partial one; if
-    ``save`` fails, the temporary file is removed and the error re-raised. The
-    file and its directory are ``fsync``-ed (:func:`kmp._files.atomic_write`,
-    kmp's one atomic write).
-
-    Args:
-        path: The final file. Its name ends the temporary name too, so
-            extension checks (``.keras``, ``.weights.h5``) still pass.
-        save: Writes a complete file at the path it is given.
-
-    Returns:
-        ``path`` as a string.
-    """
-    return atomic_write(path, save, temp_prefix=_TMP_PREFIX)
-
 
 class AtomicCheckpoint(keras.callbacks.Callback):
-    """Save the model at epoch ends, on the chief only, atomically, keeping the newest N.
+    """Save the whole training state atomically: at epoch ends, every N steps, on a signal.
 
-    Each checkpoint is written to a temporary file in the target directory and
-    moved into place with ``os.replace``: a crash or a full disk never leaves a
-    half-written checkpoint for :func:`latest_checkpoint` to find.
+    Every rank's random state and differing non-trainable weights are gathered
+    (collectives on every rank), then the chief alone writes: to a temporary file
+    in the target folder, moved into place with ``os.replace``. A crash or a full
+    disk never leaves a half-written checkpoint for :func:`latest_checkpoint` to
+    find.
+
+    Inside an epoch (``save_every_steps``, ``save_every_seconds``, a signal) the
+    checkpoint records the batches of the epoch already done. A model loaded from
+    it with :func:`kmp.load_model` and trained with ``fit(initial_epoch=ckpt.epoch)``
+    goes on at the next batch: this callback skips the batches done (taken from the
+    data and dropped, nothing computed), so the run ends with the weights, optimizer
+    state and random state of one that never stopped, provided ``fit`` gets the
+    same data in the same order (docs/checkpoints.md).
+
+    During ``fit`` the ``signals`` (SIGTERM and SIGUSR1 by default: a scheduler's
+    time limit or preemption) no longer end the process at once: every rank
+    finishes its step, the ranks agree on that step, one checkpoint is written and
+    :class:`~kmp.callbacks.preemption.Preempted` is raised (a ``SystemExit`` with
+    status 75: run again to resume). A handler installed before is chained; a
+    second signal of the same kind ends the process as it would have without kmp.
 
     Args:
-        filepath: A directory (files are then named ``ckpt-{epoch:04d}.keras``,
-            or ``.weights.h5`` with ``save_weights_only``), or a file-name
-            template formatted with ``epoch`` (1-based) and the epoch logs,
-            e.g. ``"runs/ckpt/{epoch:03d}-{val_loss:.3f}.keras"``.
+        filepath: A directory (files are then named ``ckpt-{epoch:04d}.keras`` and,
+            inside an epoch, ``ckpt-{epoch:04d}-step-{step:06d}.keras``, or
+            ``.weights.h5`` with ``save_weights_only``), or a file-name template
+            formatted with ``epoch`` (epochs completed), ``step`` (batches of the
+            next epoch done) and, at epoch ends, the epoch logs, e.g.
+            ``"runs/ckpt/{epoch:03d}-{val_loss:.3f}.keras"``.
         monitor: Metric compared with ``save_best_only``.
         mode: ``"min"``, ``"max"``, or ``"auto"`` (max for accuracy/AUC-like names).
-        save_best_only: Save only when ``monitor`` improved.
+        save_best_only: Save only when ``monitor`` improved (epoch ends only).
         save_weights_only: Save weights (``.weights.h5``) rather than the whole
             training state (``.keras`` through :func:`kmp.saving.save_model`: the
             optimizer with every variable, the random generators' states, the
-            epoch and a manifest; :func:`kmp.load_model` restores all of it).
-        keep: Keep only the newest ``keep`` checkpoints of this name pattern
-            (None keeps all). Needs an ``{epoch}`` field in the name.
+            position and a manifest; :func:`kmp.load_model` restores all of it).
+        keep: Keep only the newest ``keep`` checkpoints of this name pattern,
+            epoch-end and step ones counted together (None keeps all). Needs an
+            ``{epoch}`` field in the name.
         save_freq: Save every ``save_freq`` epochs.
         verbose: 1 (or 2) prints a line per checkpoint written.
         data_seed: The data pipeline's shuffle seed (``kmp.data.load(seed=...)``),
-            recorded in the checkpoint so a resume can check it reads the same order.
+            recorded in the checkpoint; a resume inside an epoch with another
+            seed is refused.
+        save_every_steps: Also save every this many training steps (counted
+            across epochs), inside the epoch. None: not by steps.
+        save_every_seconds: Also save when this many seconds passed since the
+            last checkpoint (the chief's clock: the ranks agree after each step).
+            None: not by time. Give one of the two.
+        signals: The signals that stop training with a checkpoint (names such
+            as ``"SIGTERM"``, ``"SIGUSR1"``, ``"SIGINT"``); ``()`` or None turns
+            signal handling off. A name with epoch logs or without ``{epoch}``
+            (``"best.keras"``) cannot hold a position: signals are then not caught
+            (with a warning when they were asked for).
+        resume_inside_epoch: Skip the batches a loaded checkpoint had done in its
+            epoch (False: train that epoch again from its first batch).
 
     Raises:
         TypeError: An argument has the wrong type (e.g. ``keep="3"``).
         ValueError: An argument is out of range or unknown (e.g. ``keep=0``,
-            ``mode="up"``), the file name has the wrong extension, or ``keep``
-            is given for a name without an ``{epoch}`` field.
+            ``mode="up"``, ``save_every_steps=0``, both ``save_every_steps`` and
+            ``save_every_seconds``, an unknown signal), the file name has the
+            wrong extension, or a name without an ``{epoch}`` field where one is
+            needed.
     """
 
     def __init__(
@@ -180,6 +119,10 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         save_freq: int = 1,
         verbose: int = 0,
         data_seed: int | None = None,
+        save_every_steps: int | None = None,
+        save_every_seconds: float | None = None,
+        signals: Sequence[str] | None = DEFAULT_SIGNALS,
+        resume_inside_epoch: bool = True,
     ):
         super().__init__()
         filepath = os.fspath(filepath)
@@ -226,12 +169,24 @@ class AtomicCheckpoint(keras.callbacks.Callback):
             maximum=2,
             hint="Use 0 (silent) or 1 (print a line per checkpoint written).",
         )
+        schedule = InEpochSchedule.from_arguments(
+            filepath,
+            every_steps=save_every_steps,
+            every_seconds=save_every_seconds,
+            signals=signals,
+            save_best_only=save_best_only,
+        )
+        resume_inside_epoch = check_bool(
+            "AtomicCheckpoint(resume_inside_epoch)", resume_inside_epoch
+        )
         if keep is not None:
-            _template_regex(os.path.basename(filepath))  # raises without an {epoch} field
+            template_regex(os.path.basename(filepath))  # raises without an {epoch} field
         if mode == "auto":
             name = monitor.lower()
             mode = "max" if any(k in name for k in ("acc", "auc", "precision", "recall")) else "min"
         self.filepath = filepath
+        self.schedule = schedule
+        self.step_filepath = schedule.step_filepath
         self.monitor = monitor
         self.mode = mode
         self.save_best_only = save_best_only
@@ -242,56 +197,190 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         if data_seed is not None:
             data_seed = check_int("AtomicCheckpoint(data_seed)", data_seed, minimum=0)
         self.data_seed = data_seed
+        self.save_every_steps = schedule.every_steps
+        self.save_every_seconds = schedule.every_seconds
+        self.signals = schedule.signals
+        self.resume_inside_epoch = resume_inside_epoch
         self.best = -math.inf if mode == "max" else math.inf
         self.last_saved: str | None = None
         self.saved: list[str] = []  # every file this callback wrote (on the chief only)
+        self.skipped_steps = 0  # batches skipped on the last resume inside an epoch
+        self.signal_seconds: float | None = None  # from the signal to its checkpoint
+        self._catcher = SignalCatcher(schedule.signals)
+        self._skipper: StepSkipper | None = None
+        self._skip_epoch = -1
+        self._first_epoch = True
+        self._epoch = 0
+        self._steps = 0  # training steps of this fit (skipped batches not counted)
+        self._last_save = 0.0
+        self._signal_at: float | None = None
 
     @property
     def directory(self) -> str:
         """The directory checkpoints are written to."""
         return os.path.dirname(os.path.abspath(self.filepath))
 
+    def _templates(self) -> list[str]:
+        names = [os.path.basename(self.filepath)]
+        if self.step_filepath and self.step_filepath != self.filepath:
+            names.append(os.path.basename(self.step_filepath))
+        return names
+
     def latest(self) -> FoundCheckpoint:
-        """Return the newest checkpoint of this callback's name pattern.
+        """Return the newest checkpoint of this callback's name patterns.
 
         See :func:`latest_checkpoint`.
         """
-        return latest_checkpoint(self.directory, os.path.basename(self.filepath))
+        found = checkpoints(self.directory, self._templates())
+        if not found:
+            return FoundCheckpoint(None, 0, 0)
+        epoch, step, path = found[-1]
+        return FoundCheckpoint(path, epoch, step)
 
     def _improved(self, current: float) -> bool:
         return current > self.best if self.mode == "max" else current < self.best
 
+    # ------------------------------------------------------------------ fit's life
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """Catch the signals; start the clocks and the step count."""
+        self._first_epoch = True
+        self._steps = 0
+        self.skipped_steps = 0
+        self._skip_epoch = -1
+        self._last_save = time.monotonic()
+        self._signal_at = None
+        self._catcher.caught = None
+        self._catcher.install()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        """Put the signal handlers and the train function back."""
+        self._release()
+
+    def _release(self) -> None:
+        self._catcher.remove()
+        if self._skipper is not None:
+            self._skipper.remove()
+            self._skipper = None
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        """At the first epoch of a resumed run, skip the batches its checkpoint had done."""
+        self._epoch = epoch
+        if not self._first_epoch:
+            return
+        self._first_epoch = False
+        saved = loaded_state(self.model)
+        if saved is None:
+            return
+        setattr(self.model, LOADED_STATE, None)  # a position is resumed once
+        if not self.resume_inside_epoch:
+            return
+        try:
+            skip = plan_skip(
+                saved,
+                first_epoch=epoch,
+                steps_per_epoch=self.params.get("steps") if self.params else None,
+                world_size=distributed.size(),
+                data_seed=self.data_seed,
+            )
+        except ValueError:
+            self._release()
+            raise
+        self.skipped_steps = skip
+        self._skip_epoch = epoch
+        if skip:
+            self._skipper = StepSkipper(self.model, skip)
+            self._skipper.install()
+            if self.verbose and is_chief():
+                print(
+                    f"Epoch {epoch + 1}: resuming after batch {skip} (skipping the batches "
+                    "its checkpoint had done)",
+                    flush=True,
+                )
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Save inside the epoch when due, and stop every rank together on a signal."""
+        if self._epoch == self._skip_epoch and batch < self.skipped_steps:
+            return  # a skipped batch: nothing trained
+        self._steps += 1
+        done = batch + 1
+        steps = self.params.get("steps") if self.params else None
+        due = self.schedule.due(self._steps, time.monotonic() - self._last_save)
+        signalled = self._catcher.caught is not None
+        if signalled and self._signal_at is None:
+            self._signal_at = time.monotonic()
+        if distributed.size() > 1 and self.schedule.agreed_each_step:
+            signalled_all, due_all = agree([float(signalled), float(due)])
+            signalled, due = bool(signalled_all), bool(due_all)
+        at_epoch_end = steps is not None and done >= steps
+        if signalled:
+            if at_epoch_end:
+                return  # on_epoch_end writes the epoch's checkpoint and stops
+            path = self._save(self._epoch, done, {})
+            self._preempted(path, self._epoch, done)
+        if due and not at_epoch_end:
+            self._save(self._epoch, done, {})
+
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Save a checkpoint on the chief when due (and improved with ``save_best_only``)."""
-        if (epoch + 1) % self.save_freq:
+        signalled = self._catcher.caught is not None
+        if distributed.size() > 1 and self.signals:
+            signalled = bool(agree([float(signalled)])[0])
+        due = not (epoch + 1) % self.save_freq
+        if not due and not signalled:
             return
+        path = self._save(epoch + 1, 0, logs or {}, best_only=due and self.save_best_only)
+        if signalled:
+            self._preempted(path, epoch + 1, 0)
+
+    def _preempted(self, path: str | None, epoch: int, step: int) -> None:
+        """After a signal's checkpoint: every rank waits for it, then all leave fit."""
+        distributed.barrier()  # no rank exits (and has its launcher stop the chief) mid-write
+        name = self._catcher.caught or "signal"
+        if self._signal_at is not None:
+            self.signal_seconds = time.monotonic() - self._signal_at
+        self._release()
+        if is_chief():
+            seconds = ""
+            if self.signal_seconds is not None:
+                seconds = f" {self.signal_seconds:.2f} s after it"
+            print(
+                f"kmp: {name} during epoch {epoch + (1 if step else 0)}: checkpoint "
+                f"{path} written{seconds}; stopping (exit status 75, run again to resume)",
+                flush=True,
+            )
+        raise Preempted(name, path if is_chief() else None, epoch, step)
+
+    def _save(self, epoch: int, step: int, logs: dict, *, best_only: bool = False) -> str | None:
+        """Write the checkpoint of position ``(epoch, step)``; return its path on the chief."""
         # Every rank's dropout state and its own non-trainable weights, gathered on every
         # rank (collectives) before the chief alone decides and writes.
         seeds = per_rank = None
         if not self.save_weights_only:
             seeds = gather_seed_states(self.model)
             per_rank = rank_weights.gather(self.model)  # e.g. BatchNorm's moving statistics
+        self._last_save = time.monotonic()
         if not is_chief():
-            return
-        logs = logs or {}
-        if self.save_best_only:
+            return None
+        if best_only:
             current = logs.get(self.monitor)
             if current is None:
                 warnings.warn(
                     f"AtomicCheckpoint: no {self.monitor!r} in the logs (have: {sorted(logs)}); "
                     "not saving. Pass monitor= one of those, or give fit() validation data.",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-                return
+                return None
             current = to_float(current)
             if not self._improved(current):
-                return
+                return None
             self.best = current
+        template = self.filepath if step == 0 else self.step_filepath
         try:
-            path = self.filepath.format(epoch=epoch + 1, **logs)
+            path = template.format(epoch=epoch, step=step, **logs)
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(
-                f"AtomicCheckpoint: cannot format {self.filepath!r} with epoch and the logs "
+                f"AtomicCheckpoint: cannot format {template!r} with epoch, step and the logs "
                 f"{sorted(logs)} ({exc!r}); use only those names in the template."
             ) from exc
         if self.save_weights_only:
@@ -302,20 +391,24 @@ class AtomicCheckpoint(keras.callbacks.Callback):
                 save_model(
                     self.model,
                     path,
-                    epoch=epoch + 1,
+                    epoch=epoch,
+                    step=step,
+                    steps_per_epoch=self.params.get("steps") if self.params else None,
                     data_seed=self.data_seed,
                     rank_seed_states=seeds,
                     rank_weights=per_rank,
-                    temp_prefix=_TMP_PREFIX,
+                    temp_prefix=TMP_PREFIX,
                 )
         self.last_saved = path
         self.saved.append(path)
         if self.verbose:
-            print(f"Epoch {epoch + 1}: checkpoint written to {path}", flush=True)
+            where = f"Epoch {epoch}" if step == 0 else f"Epoch {epoch + 1}, step {step}"
+            print(f"{where}: checkpoint written to {path}", flush=True)
         if self.keep is not None:
-            old = _checkpoints(self.directory, os.path.basename(self.filepath))
-            for _epoch, stale in old[: max(0, len(old) - self.keep)]:
+            old = checkpoints(self.directory, self._templates())
+            for _epoch, _step, stale in old[: max(0, len(old) - self.keep)]:
                 os.remove(stale)
+        return path
 
     def get_config(self) -> dict[str, Any]:
         """Return the constructor arguments."""
@@ -329,4 +422,8 @@ class AtomicCheckpoint(keras.callbacks.Callback):
             "save_freq": self.save_freq,
             "verbose": self.verbose,
             "data_seed": self.data_seed,
+            "save_every_steps": self.save_every_steps,
+            "save_every_seconds": self.save_every_seconds,
+            "signals": self.signals,
+            "resume_inside_epoch": self.resume_inside_epoch,
         }

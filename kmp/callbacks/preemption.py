@@ -1,0 +1,169 @@
+"""Preemption: catch a scheduler's signal during ``fit`` and stop every rank at one step.
+
+A time limit (SLURM's ``--signal``, its SIGTERM at the end), a Kubernetes pod's
+SIGTERM or a spot instance's notice asks a job to stop soon. During ``fit``,
+:class:`SignalCatcher` turns the signals it is given into a flag (the handler only
+sets it, and then calls any handler that was there before: a user's handler is
+chained, not replaced). After each batch the ranks agree whether any of them was
+signalled (:func:`agree`, one small all-reduce taking the maximum), so all of them
+stop after the same step and no rank waits in a collective for a peer that left.
+:class:`~kmp.callbacks.AtomicCheckpoint` then writes one checkpoint on every rank's
+behalf and raises :class:`Preempted`, a ``SystemExit`` with :data:`PREEMPTED_EXIT_CODE`:
+the status that says "preempted, run me again to resume".
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kmp import distributed
+
+__all__ = [
+    "DEFAULT_SIGNALS",
+    "PREEMPTED_EXIT_CODE",
+    "Preempted",
+    "SignalCatcher",
+    "agree",
+    "normalize_signals",
+]
+
+# EX_TEMPFAIL (sysexits.h): a temporary failure, the job may be run again. `kmp launch`
+# and launch/slurm.sbatch read it as "preempted after a checkpoint: resume me".
+PREEMPTED_EXIT_CODE = 75
+# What AtomicCheckpoint catches unless told otherwise: SLURM's and Kubernetes' stop
+# signal, and the one `#SBATCH --signal=B:USR1@T` sends before a time limit.
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+class Preempted(SystemExit):
+    """Raised out of ``fit`` after the checkpoint a signal asked for is written.
+
+    A ``SystemExit``: a script that does not catch it exits with
+    :data:`PREEMPTED_EXIT_CODE`. Attributes: ``signal`` (its name), ``path``
+    (the checkpoint, on the chief; None elsewhere), ``epoch`` and ``step`` (the
+    position it holds).
+    """
+
+    def __init__(self, signal_name: str, path: str | None, epoch: int, step: int):
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.signal = signal_name
+        self.path = path
+        self.epoch = epoch
+        self.step = step
+
+    def __str__(self) -> str:
+        where = f" to {self.path}" if self.path else ""
+        return (
+            f"{self.signal}: checkpoint written{where} at epoch {self.epoch}, step "
+            f"{self.step}; run the script again to resume (exit status {PREEMPTED_EXIT_CODE})"
+        )
+
+
+def normalize_signals(value: Any, *, name: str = "signals") -> tuple[str, ...]:
+    """Check and normalise a list of signals (names such as ``"SIGTERM"`` or numbers).
+
+    Args:
+        value: A sequence of signal names or numbers; None or ``()`` for none.
+        name: The argument's name, for errors.
+
+    Returns:
+        The signal names, upper-case, in order, without repeats.
+
+    Raises:
+        TypeError: ``value`` is not a sequence of names or numbers.
+        ValueError: A name or number this system does not have, or SIGKILL/SIGSTOP
+            (which no process can catch).
+    """
+    if value is None:
+        return ()
+    if isinstance(value, (str, int, signal.Signals)):
+        value = (value,)
+    if not isinstance(value, Sequence):
+        raise TypeError(
+            f"{name} must be a list of signal names, e.g. ('SIGTERM', 'SIGUSR1'); got {value!r}."
+        )
+    names: list[str] = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, (str, int)):
+            raise TypeError(f"{name}: {item!r} is not a signal name or number.")
+        try:
+            if isinstance(item, str):
+                key = item.upper()
+                sig = signal.Signals[key if key.startswith("SIG") else "SIG" + key]
+            else:
+                sig = signal.Signals(item)
+        except (KeyError, ValueError):
+            raise ValueError(
+                f"{name}: {item!r} is not a signal of this system; use names such as "
+                "'SIGTERM', 'SIGUSR1', 'SIGINT'."
+            ) from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"{name}: {sig.name} cannot be caught by any process.")
+        if sig.name not in names:
+            names.append(sig.name)
+    return tuple(names)
+
+
+class SignalCatcher:
+    """While installed, the given signals set :attr:`caught` instead of ending the process.
+
+    Args:
+        signals: Signal names (see :func:`normalize_signals`).
+    """
+
+    def __init__(self, signals: Sequence[str]):
+        self.signals = tuple(signals)
+        self.caught: str | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    @property
+    def installed(self) -> bool:
+        """Whether the handlers are in place."""
+        return bool(self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.caught is None:
+            self.caught = signal.Signals(signum).name
+        previous = self._previous.get(signal.Signals(signum))
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(signum, frame)  # a handler someone installed before: chained
+
+    def install(self) -> None:
+        """Put the handlers in place (on the main thread only; elsewhere warn and do nothing)."""
+        if not self.signals or self.installed:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn(
+                "kmp: fit runs outside the main thread, where Python cannot catch signals: "
+                f"{', '.join(self.signals)} will end the job without a checkpoint.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        for sig_name in self.signals:
+            sig = signal.Signals[sig_name]
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def remove(self) -> None:
+        """Put back the handlers that were there before."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+
+def agree(flags: Sequence[float]) -> np.ndarray:
+    """Return the element-wise maximum of ``flags`` over every rank (itself in one process).
+
+    One all-reduce of a few numbers: every rank must call it at the same point.
+    """
+    local = np.asarray(flags, dtype=np.float32)
+    if distributed.size() == 1:
+        return local
+    reduced = distributed.allreduce(local, op="max")
+    return np.asarray(getattr(reduced, "numpy", lambda: reduced)(), dtype=np.float32)

@@ -1,0 +1,249 @@
+"""AtomicCheckpoint inside an epoch: step checkpoints, exact mid-epoch resume, signals.
+
+In one process, a model with Dropout and BatchNormalization (tests/test_resume.py's kind,
+with a moving statistic): an uninterrupted run writes step checkpoints; a run loaded from
+each of them, given the same data, ends bit-identical to the uninterrupted one (weights,
+every optimizer variable, the seed generators). A SIGTERM sent in the middle of an epoch
+stops fit after that step with one checkpoint and ``Preempted`` (exit status 75), a
+handler installed before is chained, and the resumed run ends where the uninterrupted
+one did. Positions that mean other examples are refused with what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import keras
+import numpy as np
+import pytest
+
+import kmp
+from kmp.callbacks.checkpoint_files import FoundCheckpoint, step_template
+from kmp.callbacks.preemption import PREEMPTED_EXIT_CODE, Preempted, normalize_signals
+from kmp.callbacks.resume import plan_skip
+from kmp.saving import read_state
+from kmp.training_state import TrainingState
+
+STEPS, BATCH, EPOCHS = 6, 8, 2
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(STEPS * BATCH, 8)).astype("float32"), rng.integers(0, 3, STEPS * BATCH)
+
+
+def build(policy: str, master: str | None = None) -> keras.Model:
+    keras.utils.set_random_seed(1)
+    kmp.enable(policy)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(3),
+        ]
+    )
+    model = kmp.float32_outputs(model)
+    kwargs = {} if master is None else {"master_weights": master}
+    model.compile(
+        optimizer=kmp.wrap_optimizer(keras.optimizers.Adam(1e-2), **kwargs),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def state_of(model: keras.Model) -> list[np.ndarray]:
+    """Every weight, every optimizer variable (loss scale, iterations) and the RNG states."""
+    values = [v.numpy() for v in model.weights]
+    values += [np.asarray(v) for v in model.optimizer.variables]
+    values += [np.asarray(v) for v in kmp.training_state.seed_states(model)]
+    return [np.asarray(v, "float64") for v in values]
+
+
+def largest_difference(a: list, b: list) -> float:
+    return max(float(np.max(np.abs(u - v))) if u.size else 0.0 for u, v in zip(a, b, strict=True))
+
+
+def fit(model, callbacks, initial_epoch=0):
+    x, y = data()
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        initial_epoch=initial_epoch,
+        shuffle=False,
+        callbacks=callbacks,
+        verbose=0,
+    )
+
+
+@pytest.mark.parametrize(
+    "policy,master",
+    [("float32", None), ("mixed_float16", None), ("bfloat16", "kahan")],
+)
+def test_a_run_resumed_from_any_step_checkpoint_ends_bit_identical(policy, master, tmp_path):
+    straight = build(policy, master)
+    ckpt = kmp.callbacks.AtomicCheckpoint(tmp_path, save_every_steps=4, keep=None)
+    fit(straight, [ckpt])
+    names = sorted(os.listdir(tmp_path))
+    # Global steps 4 and 8 fall inside epochs (1, step 4) and (2, step 2); 12 is an end.
+    assert names == [
+        "ckpt-0000-step-000004.keras",
+        "ckpt-0001-step-000002.keras",
+        "ckpt-0001.keras",
+        "ckpt-0002.keras",
+    ]
+    state = read_state(tmp_path / "ckpt-0001-step-000002.keras")
+    assert (state.epoch, state.step, state.steps_per_epoch, state.iterations) == (1, 2, STEPS, 8)
+    assert kmp.callbacks.latest_checkpoint(tmp_path) == FoundCheckpoint(
+        str(tmp_path / "ckpt-0002.keras"), 2, 0
+    )
+    want = state_of(straight)
+    for name in names[:2]:
+        keras.config.set_dtype_policy("float32")  # the loaded file brings its own
+        resumed = kmp.load_model(tmp_path / name)
+        found = read_state(tmp_path / name)
+        again = kmp.callbacks.AtomicCheckpoint(tmp_path / "again" / name[:-6])
+        fit(resumed, [again], initial_epoch=found.epoch)
+        assert again.skipped_steps == found.step
+        assert int(resumed.optimizer.iterations) == EPOCHS * STEPS, name
+        assert largest_difference(state_of(resumed), want) == 0.0, (policy, name)
+
+
+def test_without_the_skip_the_resumed_epoch_trains_its_first_batches_again(tmp_path):
+    straight = build("float32")
+    fit(straight, [kmp.callbacks.AtomicCheckpoint(tmp_path, save_every_steps=4)])
+    resumed = kmp.load_model(tmp_path / "ckpt-0000-step-000004.keras")
+    fit(resumed, [kmp.callbacks.AtomicCheckpoint(tmp_path / "b", resume_inside_epoch=False)])
+    assert int(resumed.optimizer.iterations) == 4 + EPOCHS * STEPS
+    assert largest_difference(state_of(resumed), state_of(straight)) > 0
+
+
+class SignalAt(keras.callbacks.Callback):
+    """Sends this process a signal at the start of one batch (as a scheduler would)."""
+
+    def __init__(self, epoch, batch, sig=signal.SIGTERM):
+        super().__init__()
+        self.at, self.sig, self.epoch = (epoch, batch), sig, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            os.kill(os.getpid(), self.sig)
+
+
+def test_a_signal_mid_epoch_stops_after_that_step_with_one_checkpoint(tmp_path):
+    straight = build("mixed_float16")
+    fit(straight, [])
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        model = build("mixed_float16")
+        ckpt = kmp.callbacks.AtomicCheckpoint(tmp_path, verbose=1)
+        with pytest.raises(Preempted) as stopped:
+            fit(model, [SignalAt(1, 2), ckpt])
+        # The user's handler was chained; kmp's is gone again after fit.
+        assert seen == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is not ckpt._catcher._handle
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == PREEMPTED_EXIT_CODE == 75
+    assert (stopped.value.epoch, stopped.value.step, stopped.value.signal) == (1, 3, "SIGTERM")
+    # Work lost: none. The step in flight (batch index 2) finished and is in the checkpoint.
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-0001-step-000003.keras", "ckpt-0001.keras"]
+    assert int(model.optimizer.iterations) == STEPS + 3
+    assert ckpt.signal_seconds is not None and ckpt.signal_seconds < 10
+    found = kmp.callbacks.latest_checkpoint(tmp_path)
+    assert (found.epoch, found.step) == (1, 3)
+    resumed = kmp.load_model(found.path)
+    fit(resumed, [kmp.callbacks.AtomicCheckpoint(tmp_path)], initial_epoch=found.epoch)
+    assert largest_difference(state_of(resumed), state_of(straight)) == 0.0
+
+
+def test_signals_off_leave_the_handlers_alone(tmp_path):
+    model = build("float32")
+    before = signal.getsignal(signal.SIGUSR1)
+    ckpt = kmp.callbacks.AtomicCheckpoint(tmp_path, signals=())
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.during = signal.getsignal(signal.SIGUSR1)
+
+    look = Look()
+    fit(model, [ckpt, look])
+    assert look.during is before
+    on = kmp.callbacks.AtomicCheckpoint(tmp_path / "on")
+    fit(model, [on, look])
+    assert look.during == on._catcher._handle and signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_positions_that_mean_other_examples_are_refused():
+    saved = TrainingState(epoch=1, step=3, steps_per_epoch=6, world_size=2, data_seed=7)
+    ok = {"first_epoch": 1, "steps_per_epoch": 6, "world_size": 2, "data_seed": 7}
+    assert plan_skip(saved, **ok) == 3
+    assert plan_skip(TrainingState(epoch=1, step=0), **ok) == 0
+    cases = [
+        ({"first_epoch": 0}, r"initial_epoch=1"),
+        ({"steps_per_epoch": 12}, r"another batch size"),
+        ({"world_size": 1}, r"Resume with 2 process"),
+        ({"data_seed": 8}, r"Resume with seed 7"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message) as info:
+            plan_skip(saved, **{**ok, **change})
+        assert "resume_inside_epoch=False" in str(info.value)
+
+
+def test_a_resume_into_another_epoch_length_fails_before_training(tmp_path):
+    model = build("float32")
+    fit(model, [kmp.callbacks.AtomicCheckpoint(tmp_path, save_every_steps=4)])
+    resumed = kmp.load_model(tmp_path / "ckpt-0000-step-000004.keras")
+    before = state_of(resumed)
+    x, y = data()
+    with pytest.raises(ValueError, match="another batch size"):
+        resumed.fit(
+            x,
+            y,
+            batch_size=BATCH * 2,
+            epochs=1,
+            shuffle=False,
+            callbacks=[kmp.callbacks.AtomicCheckpoint(tmp_path / "b")],
+            verbose=0,
+        )
+    assert largest_difference(state_of(resumed), before) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        ({"save_every_steps": 0}, ValueError, "save_every_steps"),
+        ({"save_every_steps": "5"}, TypeError, "save_every_steps"),
+        ({"save_every_seconds": -1}, ValueError, "save_every_seconds"),
+        ({"save_every_steps": 5, "save_every_seconds": 60}, ValueError, "not both"),
+        ({"signals": ("SIGNOPE",)}, ValueError, "not a signal"),
+        ({"signals": ("SIGKILL",)}, ValueError, "cannot be caught"),
+        ({"signals": [1.5]}, TypeError, "not a signal name"),
+        ({"save_every_steps": 5, "save_best_only": True}, ValueError, "save_best_only"),
+    ],
+)
+def test_bad_arguments_are_refused_clearly(tmp_path, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        kmp.callbacks.AtomicCheckpoint(tmp_path, **kwargs)
+
+
+def test_step_names_follow_the_epoch_name():
+    assert step_template("ckpt-{epoch:04d}.keras") == "ckpt-{epoch:04d}-step-{step:06d}.keras"
+    assert step_template("w/{epoch}.weights.h5") == "w/{epoch}-step-{step:06d}.weights.h5"
+    assert step_template("e{epoch}-s{step}.keras") == "e{epoch}-s{step}.keras"
+    with pytest.raises(ValueError, match="epoch logs"):
+        step_template("{epoch}-{val_loss:.2f}.keras")
+    with pytest.warns(UserWarning, match="signals are not caught"):
+        ckpt = kmp.callbacks.AtomicCheckpoint("r/{epoch}-{val_loss:.2f}.keras", signals=["TERM"])
+    assert ckpt.signals == ()
+    assert kmp.callbacks.AtomicCheckpoint("r/best.keras").signals == ()  # the default: quiet
+    assert normalize_signals(["usr1", signal.SIGTERM, "SIGUSR1"]) == ("SIGUSR1", "SIGTERM")
