@@ -3,9 +3,11 @@
 In one process: a model with Dropout trained 2 epochs against 1 epoch, ``kmp.save_model``,
 ``kmp.load_model`` in place of the model and 1 more epoch, bit for bit, under every policy;
 a class that overrides ``compile`` gets its saved optimizer back; what cannot be restored
-raises. On 2 real ranks (tests/distributed/worker_resume.py): the same on both engines, on
-KerasHub's GPT2CausalLM and a subclassed model too, and a job SIGKILLed in the middle of
-an epoch resumes from its last checkpoint to the uninterrupted weights.
+raises. On 2 real ranks (tests/distributed/worker_resume.py): a run preempted inside an
+epoch (SIGTERM to one rank: both stop after the same step with one checkpoint) resumes at
+the next batch to the uninterrupted weights, on both engines, on KerasHub's GPT2CausalLM
+and a subclassed model too; and a job SIGKILLed in the middle of an epoch resumes from its
+last checkpoint to the uninterrupted weights.
 """
 
 from __future__ import annotations
@@ -266,7 +268,12 @@ def test_two_ranks_resume_bit_identical_on_both_engines(engine, cases, tmp_path)
         for spec in cases:
             got = r["cases"][spec]
             assert got["optimizer"] == "DistributedLossScaleOptimizer", spec
-            assert got["iterations"] == 3 and got["epoch"] == 1, spec
+            # Rank 1 alone was signalled as epoch 2 began: both stopped after its first step.
+            assert got["preempted"] == [1, 1, 75, "SIGTERM"], (spec, got)  # on both ranks
+            assert (got["epoch"], got["step"], got["iterations"]) == (1, 1, 4), spec
+            assert got["skipped_batches"] == 1, spec
+            name = spec.replace(":", "-")
+            assert got["files"] == ["ckpt-0001-step-000001.keras", "ckpt-0001.keras"], name
             assert got["resumed_vs_straight"] == 0.0, (spec, got)
             assert got["ranks"] == 0.0, (spec, got)
 

@@ -9,6 +9,7 @@ import keras
 from kmp import distributed
 from kmp._checks import check_int
 from kmp.callbacks._ranks import model_optimizer, world_size
+from kmp.callbacks.resume import warn_unclaimed
 from kmp.distributed.collectives import unique_variables
 from kmp.rank_weights import rank_local
 
@@ -69,6 +70,10 @@ class BroadcastInitialState(keras.callbacks.Callback):
                 f"use a root between 0 and {size - 1}."
             )
         distributed.broadcast_variables(variables, root=self.root)
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        """Warn if the model holds a position inside an epoch that nothing resumes."""
+        warn_unclaimed(self.model)
 
     def get_config(self) -> dict[str, Any]:
         """Return the constructor arguments."""

@@ -252,6 +252,10 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         self._signal_at = None
         self._catcher.caught = None
         self._catcher.install()
+        # The position a loaded model holds is claimed here, before any epoch begins
+        # (resume.warn_unclaimed tells a fit without this callback that it is not resumed).
+        self._resuming = loaded_state(self.model)
+        setattr(self.model, LOADED_STATE, None)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         """Put the signal handlers and the train function back."""
@@ -269,11 +273,8 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         if not self._first_epoch:
             return
         self._first_epoch = False
-        saved = loaded_state(self.model)
-        if saved is None:
-            return
-        setattr(self.model, LOADED_STATE, None)  # a position is resumed once
-        if not self.resume_inside_epoch:
+        saved, self._resuming = self._resuming, None
+        if saved is None or not self.resume_inside_epoch:
             return
         try:
             skip = plan_skip(
@@ -306,12 +307,12 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         done = batch + 1
         steps = self.params.get("steps") if self.params else None
         due = self.schedule.due(self._steps, time.monotonic() - self._last_save)
-        signalled = self._catcher.caught is not None
+        signalled = self._catcher.number()
         if signalled and self._signal_at is None:
             self._signal_at = time.monotonic()
         if distributed.size() > 1 and self.schedule.agreed_each_step:
-            signalled_all, due_all = agree([float(signalled), float(due)])
-            signalled, due = bool(signalled_all), bool(due_all)
+            signalled_all, due_all = agree([signalled, float(due)])
+            signalled, due = self._catcher.agreed(signalled_all), bool(due_all)
         at_epoch_end = steps is not None and done >= steps
         if signalled:
             if at_epoch_end:
@@ -323,9 +324,9 @@ class AtomicCheckpoint(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         """Save a checkpoint on the chief when due (and improved with ``save_best_only``)."""
-        signalled = self._catcher.caught is not None
+        signalled = self._catcher.number()
         if distributed.size() > 1 and self.signals:
-            signalled = bool(agree([float(signalled)])[0])
+            signalled = self._catcher.agreed(agree([signalled])[0])
         due = not (epoch + 1) % self.save_freq
         if not due and not signalled:
             return

@@ -113,6 +113,10 @@ def normalize_signals(value: Any, *, name: str = "signals") -> tuple[str, ...]:
 class SignalCatcher:
     """While installed, the given signals set :attr:`caught` instead of ending the process.
 
+    The same signal a second time puts the handlers back and does what it did before
+    (ends the process, by default): a job whose ``fit`` died without ``on_train_end``
+    still stops when asked twice.
+
     Args:
         signals: Signal names (see :func:`normalize_signals`).
     """
@@ -121,6 +125,18 @@ class SignalCatcher:
         self.signals = tuple(signals)
         self.caught: str | None = None
         self._previous: dict[signal.Signals, Any] = {}
+        self._received: dict[signal.Signals, int] = {}
+
+    def number(self) -> int:
+        """The caught signal's number (0: none), what the ranks :func:`agree` on."""
+        return int(signal.Signals[self.caught]) if self.caught else 0
+
+    def agreed(self, number: float) -> int:
+        """Take the ranks' agreed signal (a number, 0 for none) as this rank's; return it."""
+        number = int(number)
+        if number and self.caught is None:
+            self.caught = signal.Signals(number).name  # a peer's signal stops this rank too
+        return number
 
     @property
     def installed(self) -> bool:
@@ -128,11 +144,20 @@ class SignalCatcher:
         return bool(self._previous)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.caught is None:
-            self.caught = signal.Signals(signum).name
-        previous = self._previous.get(signal.Signals(signum))
+        sig = signal.Signals(signum)
+        previous = self._previous.get(sig)
+        self._received[sig] = self._received.get(sig, 0) + 1
+        if self._received[sig] > 1:  # asked twice: no more waiting for a checkpoint
+            self.remove()
+            if previous in (None, signal.SIG_DFL):
+                signal.raise_signal(signum)  # what it would have done without kmp
+                return
+        elif self.caught is None:
+            self.caught = sig.name
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)  # a handler someone installed before: chained
+        elif previous is signal.default_int_handler and self._received[sig] > 1:
+            raise KeyboardInterrupt
 
     def install(self) -> None:
         """Put the handlers in place (on the main thread only; elsewhere warn and do nothing)."""
@@ -146,6 +171,7 @@ class SignalCatcher:
                 stacklevel=3,
             )
             return
+        self._received = {}
         for sig_name in self.signals:
             sig = signal.Signals[sig_name]
             self._previous[sig] = signal.signal(sig, self._handle)

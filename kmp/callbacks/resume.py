@@ -19,11 +19,14 @@ sources give that).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import keras
 
-__all__ = ["StepSkipper", "plan_skip"]
+from kmp.training_state import LOADED_STATE, loaded_state
+
+__all__ = ["StepSkipper", "plan_skip", "warn_unclaimed"]
 
 
 def plan_skip(
@@ -96,6 +99,29 @@ def plan_skip(
             f"epoch's order differs. Resume with seed {saved_seed}, " + restart
         )
     return step
+
+
+def warn_unclaimed(model: keras.Model) -> None:
+    """Warn when ``model`` holds a position inside an epoch that no AtomicCheckpoint claimed.
+
+    Called by kmp's other callbacks as an epoch begins: without an
+    :class:`~kmp.callbacks.AtomicCheckpoint` in ``fit``, the batches the checkpoint
+    had done are trained again. The position is then dropped (warned once).
+    """
+    saved = loaded_state(model)
+    if saved is None:
+        return
+    setattr(model, LOADED_STATE, None)
+    if saved.step:
+        warnings.warn(
+            f"This model was loaded from a checkpoint written {saved.step} batch(es) into "
+            f"epoch {saved.epoch + 1}, but no kmp.callbacks.AtomicCheckpoint in this fit "
+            "skips them: they are trained again, and the run will not match one that never "
+            "stopped. Add AtomicCheckpoint(...) to the callbacks (with "
+            f"fit(initial_epoch={saved.epoch})).",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _take(source: Any, count: int) -> None:

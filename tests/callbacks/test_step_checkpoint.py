@@ -247,3 +247,29 @@ def test_step_names_follow_the_epoch_name():
     assert ckpt.signals == ()
     assert kmp.callbacks.AtomicCheckpoint("r/best.keras").signals == ()  # the default: quiet
     assert normalize_signals(["usr1", signal.SIGTERM, "SIGUSR1"]) == ("SIGUSR1", "SIGTERM")
+
+
+def test_the_same_signal_twice_does_what_it_did_without_kmp():
+    from kmp.callbacks.preemption import SignalCatcher
+
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        catcher = SignalCatcher(("SIGUSR1",))
+        catcher.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert catcher.caught == "SIGUSR1" and catcher.installed and len(seen) == 1
+        os.kill(os.getpid(), signal.SIGUSR1)  # again: kmp steps aside
+        assert not catcher.installed and len(seen) == 2
+        assert signal.getsignal(signal.SIGUSR1) is not catcher._handle
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_fit_without_atomic_checkpoint_is_told_its_position_is_not_resumed(tmp_path):
+    model = build("float32")
+    fit(model, [kmp.callbacks.AtomicCheckpoint(tmp_path, save_every_steps=4)])
+    resumed = kmp.load_model(tmp_path / "ckpt-0000-step-000004.keras")
+    with pytest.warns(UserWarning, match=r"written 4 batch\(es\) into epoch 1.*trained again"):
+        fit(resumed, [kmp.callbacks.BroadcastInitialState()])
+    assert kmp.training_state.loaded_state(resumed) is None  # warned once, then dropped

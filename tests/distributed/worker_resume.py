@@ -1,4 +1,4 @@
-"""Worker: stop after epoch 1, resume from the checkpoint, and compare with a straight run.
+"""Worker: preempt a run in epoch 2, resume from its checkpoint, compare with a straight run.
 
 Started by tests/test_resume.py (and bench/resume.py for the whole matrix) on real ranks,
 on either engine. Arguments: a checkpoint folder, then cases ``model:policy[:master_weights]``.
@@ -11,10 +11,13 @@ saves the uninterrupted run's weights, then is SIGKILLed on rank 1 in the middle
 1. seeds itself (``1000 + rank``: its own initial weights and dropout masks), builds the
    model, and trains 2 epochs on data of its own, with ``BroadcastInitialState``: the
    uninterrupted run;
-2. builds the same model from the same seed and trains 1 epoch with
-   ``kmp.callbacks.AtomicCheckpoint`` (the stopped run), then forgets it;
-3. reseeds to something else, loads the checkpoint with ``kmp.load_model`` and trains
-   epoch 2 (``initial_epoch=1``): the resumed run.
+2. builds the same model from the same seed and trains with
+   ``kmp.callbacks.AtomicCheckpoint``; rank 1 alone gets SIGTERM as epoch 2's first batch
+   starts, so the ranks must agree to stop after it: one checkpoint at epoch 1, step 1,
+   and ``Preempted`` on every rank (the stopped run), which it then forgets;
+3. reseeds to something else, loads the newest checkpoint with ``kmp.load_model`` and
+   trains to the end of epoch 2 (``initial_epoch=1``; the batch done is skipped): the
+   resumed run.
 
 It writes, per case: the optimizer's class and step count right after the load, the
 largest difference between the resumed and the uninterrupted weights (this rank; every
@@ -175,7 +178,14 @@ def case(spec: str, folder: Path) -> dict:
 
     stopped = build(name, policy, master)
     ckpt = folder / spec.replace(":", "-")
-    fit(stopped, data, 1, callbacks=[kmp.callbacks.AtomicCheckpoint(ckpt)])
+    callbacks = [kmp.callbacks.AtomicCheckpoint(ckpt)]
+    if RANK == 1:  # one rank alone is signalled: the ranks must agree to stop
+        callbacks.insert(0, SignalAt(epoch=1, batch=0))
+    try:
+        fit(stopped, data, 2, callbacks=callbacks)
+        preempted = None
+    except kmp.callbacks.Preempted as stop:
+        preempted = [stop.epoch, stop.step, stop.code, stop.signal]
     del stopped
     dist.barrier()  # the chief's file is complete before anyone reads it
 
@@ -185,10 +195,15 @@ def case(spec: str, folder: Path) -> dict:
     resumed = kmp.load_model(found.path)
     loaded_class = type(resumed.optimizer).__name__
     loaded_iterations = int(keras.ops.convert_to_numpy(resumed.optimizer.iterations))
-    fit(resumed, data, 2, initial=found.epoch)
+    again = kmp.callbacks.AtomicCheckpoint(folder / "again" / spec.replace(":", "-"))
+    fit(resumed, data, 2, initial=found.epoch, callbacks=[again])
     got = flat(resumed)
     result = {
         "epoch": found.epoch,
+        "step": found.step,
+        "skipped_batches": again.skipped_steps,
+        "files": sorted(p.name for p in ckpt.iterdir()),
+        "preempted": preempted,
         "optimizer": loaded_class,
         "iterations": loaded_iterations,
         "resumed_vs_straight": float(np.max(np.abs(got - expected))),
@@ -196,6 +211,21 @@ def case(spec: str, folder: Path) -> dict:
         "skipped": int(resumed.optimizer.skipped_steps),
     }
     return result  # no clear_session: on the JAX engine it would drop kmp's distribution
+
+
+class SignalAt(keras.callbacks.Callback):
+    """Send this process SIGTERM as batch ``batch`` of epoch ``epoch`` starts (a preemption)."""
+
+    def __init__(self, epoch: int, batch: int):
+        super().__init__()
+        self.epoch, self.batch, self.now = epoch, batch, -1
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.now = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.now, batch) == (self.epoch, self.batch):
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class KillMidEpoch(keras.callbacks.Callback):
