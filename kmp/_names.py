@@ -20,6 +20,7 @@ __all__ = [
     "LOW_FLOATS",
     "MASTER_WEIGHTS",
     "MIXED_POLICIES",
+    "PREEMPTED_EXIT_CODE",
     "POLICY_NAMES",
     "PURE_POLICIES",
     "REDUCE_OPS",
@@ -176,3 +177,11 @@ def normalize_reduce_op(op: Any) -> str:
     if name not in REDUCE_OPS:
         raise ValueError(f"Unknown reduction op {op!r}; use one of {', '.join(REDUCE_OPS)}.")
     return name
+
+
+# ---------------------------------------------------------------------- preemption
+
+# The exit status of a rank that stopped on a scheduler's signal after its checkpoint
+# (kmp.callbacks.Preempted): EX_TEMPFAIL of sysexits.h, "run me again". `kmp launch`
+# passes it on, and inside a SLURM batch job requeues the job on it.
+PREEMPTED_EXIT_CODE = 75

@@ -237,7 +237,9 @@ def find_checkpoint(run: Run) -> tuple[str | None, int]:
     args, kmp = run.args, run.kmp
     found = (None, 0)
     if args.checkpoint_dir and (run.world.rank == 0 or args.elastic):
-        found = tuple(kmp.callbacks.latest_checkpoint(args.checkpoint_dir))
+        # (path, epoch); a checkpoint inside an epoch also holds its step, which the model
+        # kmp.load_model returns carries, and AtomicCheckpoint skips.
+        found = tuple(kmp.callbacks.latest_checkpoint(args.checkpoint_dir))[:2]
     if args.elastic:
         # No collective before the elastic run: a worker that joins a running job would meet
         # the others' state sync. Every rank looks itself; the sync then gives rank 0's state.
@@ -293,6 +295,7 @@ def make_callbacks(run: Run, extra: list) -> list:
         warmup_epochs=(args.warmup_epochs or None) if args.lr_schedule == "constant" else None,
         checkpoint_dir=args.checkpoint_dir,
         keep=args.keep_checkpoints,
+        checkpoint_every_steps=args.checkpoint_every_steps,
         data_seed=args.seed,  # recorded in each checkpoint, checked when resuming
         extra=extra,
         verbose=1,

@@ -112,6 +112,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--checkpoint-dir", help="write a checkpoint per epoch here (rank 0) and resume from it"
     )
     p.add_argument("--keep-checkpoints", type=int, default=3)
+    p.add_argument(
+        "--checkpoint-every-steps",
+        type=int,
+        metavar="N",
+        help="also checkpoint every N steps, inside the epoch (SIGTERM/SIGUSR1 always write one)",
+    )
     p.add_argument("--image-size", type=int, help="resize images (resnet50 default: 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -206,6 +212,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.steps_per_epoch is not None and args.steps_per_epoch < 1:
         p.error("--steps-per-epoch must be >= 1")
+    if args.checkpoint_every_steps is not None and args.checkpoint_every_steps < 1:
+        p.error("--checkpoint-every-steps must be >= 1")
     if args.bucket_bytes is not None and args.bucket_bytes < 1:
         p.error("--bucket-bytes must be >= 1 (leave it out for one grouped allreduce)")
     if args.warmup_epochs < 0:

@@ -322,3 +322,50 @@ def test_rank_weights_round_trip_and_are_kept_out_of_the_initial_broadcast():
     other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="only 0 non-trainable"):
         rank_weights.restore(other, saved, rank=0)
+
+
+def test_a_launcher_told_to_stop_mid_epoch_exits_75_and_the_rerun_finishes_exactly(tmp_path):
+    """As a scheduler does it: SIGUSR1 to `kmp launch` (SLURM's --signal, here through
+    Horovod's launcher, which would die of it), then the same command again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests._support import ROOT, WORKERS
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "OMP_NUM_THREADS": "1",
+        "KMP_TEST_OUT": str(tmp_path),
+    }
+    argv = [sys.executable, "-m", "kmp.cli", "launch", "-np", "2", "--no-preflight"]
+    argv += [str(WORKERS / "worker_preempt.py"), str(tmp_path)]
+    job = subprocess.Popen(
+        argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        progress = tmp_path / "progress"
+        deadline = time.monotonic() + 240
+        while not (progress.exists() and int(progress.read_text() or 0) >= 10):
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+            time.sleep(0.1)
+        job.send_signal(signal.SIGUSR1)  # 10 steps done: inside epoch 2 of 3 (8 a epoch)
+        out, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 75, out
+    found = kmp.callbacks.latest_checkpoint(tmp_path / "ckpt")
+    assert found.epoch == 1 and 2 <= found.step < 8, (found, out)  # inside the epoch
+    assert "SIGTERM during epoch 2" in out and "exit status 75" in out, out
+    res = run_workers("worker_preempt.py", str(tmp_path), "0", np=2, timeout=300)
+    for r in res:
+        assert r["resumed_from"] == [found.epoch, found.step] and r["skipped"] == found.step
+        # Every weight and optimizer variable (step count, loss scale) as without the stop.
+        assert r["resumed_vs_straight"] == 0.0 and r["ranks"] == 0.0, r

@@ -27,6 +27,7 @@ def default_callbacks(
     target_lr: float | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     keep: int | None = 3,
+    checkpoint_every_steps: int | None = None,
     save_weights_only: bool = False,
     data_seed: int | None = None,
     tensorboard_dir: str | os.PathLike | None = None,
@@ -50,6 +51,9 @@ def default_callbacks(
         target_lr: Its ``target_lr`` (default: the optimizer's rate).
         checkpoint_dir: Add :class:`AtomicCheckpoint` writing there.
         keep: Checkpoints kept.
+        checkpoint_every_steps: Also checkpoint every this many steps, inside the
+            epoch (``AtomicCheckpoint(save_every_steps=...)``); it also catches
+            SIGTERM and SIGUSR1 and stops with a checkpoint.
         save_weights_only: Checkpoint weights only.
         data_seed: The data pipeline's shuffle seed, recorded in each checkpoint.
         tensorboard_dir: Add a chief-only ``keras.callbacks.TensorBoard``.
@@ -91,6 +95,7 @@ def default_callbacks(
             AtomicCheckpoint(
                 checkpoint_dir,
                 keep=keep,
+                save_every_steps=checkpoint_every_steps,
                 save_weights_only=save_weights_only,
                 verbose=verbose,
                 data_seed=data_seed,

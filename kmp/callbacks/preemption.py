@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from kmp import distributed
+from kmp._names import PREEMPTED_EXIT_CODE
 
 __all__ = [
     "DEFAULT_SIGNALS",
@@ -33,9 +34,6 @@ __all__ = [
     "normalize_signals",
 ]
 
-# EX_TEMPFAIL (sysexits.h): a temporary failure, the job may be run again. `kmp launch`
-# and launch/slurm.sbatch read it as "preempted after a checkpoint: resume me".
-PREEMPTED_EXIT_CODE = 75
 # What AtomicCheckpoint catches unless told otherwise: SLURM's and Kubernetes' stop
 # signal, and the one `#SBATCH --signal=B:USR1@T` sends before a time limit.
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")

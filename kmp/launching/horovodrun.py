@@ -13,22 +13,51 @@ Horovod's own launcher, unchanged otherwise. Without a current record it is plai
     python -m kmp.launching.horovodrun -np 2 -H localhost:2 --gloo python train.py
 
 ``horovodrun --check-build`` still loads the library: it is what the flags come from.
+
+Two more changes serve preemption (``kmp.callbacks.AtomicCheckpoint``'s signals):
+SIGUSR1 (a time limit's warning, which Horovod's launcher would die of) is taken as
+the SIGTERM Horovod passes on to its ranks, and the ranks get :data:`STOP_GRACE_S`
+(``KMP_STOP_GRACE_S``) instead of Horovod's 5 s between that SIGTERM and a SIGKILL,
+time to write their checkpoint. A job whose ranks stopped after one exits with their
+status, 75 (:func:`rank_status`), not Horovod's 1.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 from kmp._imports import optional_import
 
-__all__ = ["MODULE", "answer_probes", "main"]
+__all__ = ["MODULE", "STOP_GRACE_S", "answer_probes", "main", "rank_status"]
 
 # How kmp starts it: ``python -m`` this module.
 MODULE = "kmp.launching.horovodrun"
 # Horovod's probes, by the name horovod.runner.launch calls them, and the flag each reads.
 _PROBES = {"gloo_built": "gloo", "mpi_built": "mpi"}
+# Seconds between the SIGTERM Horovod's launcher sends its ranks and its SIGKILL.
+STOP_GRACE_S = 30.0
+# How Horovod's launcher reports the first rank that failed (horovod/runner/gloo_run.py).
+_FIRST_FAILURE = re.compile(r"exited with non-zero status.*?Exit code: (-?\d+)", re.S)
+
+
+def rank_status(message: str) -> int | None:
+    """The exit status of the first failed rank, read from Horovod's launcher's error."""
+    m = _FIRST_FAILURE.search(message)
+    return None if m is None else int(m.group(1))
+
+
+def _stop_grace() -> float:
+    raw = os.environ.get("KMP_STOP_GRACE_S", "")
+    try:
+        return float(raw) if raw else STOP_GRACE_S
+    except ValueError:
+        print(f"kmp launch: KMP_STOP_GRACE_S={raw!r} is not a number; using {STOP_GRACE_S} s")
+        return STOP_GRACE_S
 
 
 def answer_probes(launch: ModuleType, built: Mapping[str, bool]) -> None:
@@ -48,8 +77,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     built = record.built_flags()
     if built is not None:
         answer_probes(launch, built)
+    safe_shell_exec = optional_import(
+        "horovod.runner.common.util.safe_shell_exec", feature="kmp launch on several processes"
+    )
+    safe_shell_exec.GRACEFUL_TERMINATION_TIME_S = _stop_grace()
+    signal.signal(signal.SIGUSR1, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
     sys.argv = ["horovodrun", *(sys.argv[1:] if argv is None else argv)]
-    launch.run_commandline()
+    try:
+        launch.run_commandline()
+    except RuntimeError as exc:
+        code = rank_status(str(exc))
+        if code is None or code <= 0:
+            raise
+        print(f"horovodrun: {exc}".rstrip(), file=sys.stderr)
+        return code
     return 0
 
 

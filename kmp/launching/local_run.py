@@ -6,8 +6,8 @@ is not installed. Each process gets ``KMP_RANK``, ``KMP_SIZE``,
 ``KMP_LOCAL_RANK`` and ``KMP_LOCAL_SIZE`` (read by :mod:`kmp._launcher_env`);
 its output lines are tagged ``[R]<stdout>:`` / ``[R]<stderr>:`` as horovodrun
 tags them. When one process fails the others are stopped (SIGTERM, then
-SIGKILL after a grace period) and its exit status is returned; SIGINT and
-SIGTERM are passed on to every process.
+SIGKILL after a grace period) and its exit status is returned; SIGINT, SIGTERM
+and SIGUSR1 are passed on to every process (:data:`kmp.launching.processes.FORWARDED_SIGNALS`).
 
 ::
 
@@ -28,6 +28,7 @@ from types import FrameType
 from typing import IO
 
 from kmp._launcher_env import LOCAL_RUN_VARS
+from kmp.launching.processes import FORWARDED_SIGNALS
 
 __all__ = ["main", "rank_env", "run"]
 
@@ -76,7 +77,7 @@ def run(command: Sequence[str], np: int, env: Mapping[str, str] | None = None) -
             if p.poll() is None:
                 p.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     failed: int | None = None
     try:
         while True:

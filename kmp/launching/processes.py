@@ -2,9 +2,10 @@
 
 ``subprocess.run`` answers Ctrl-C by killing the child a quarter of a second
 later, which cuts off ``horovodrun``'s own clean-up of remote ranks, and it does
-not pass SIGTERM on at all. :func:`run_forwarding_signals` sends SIGINT and
-SIGTERM on to the child and waits for it to finish, killing it only if it
-outlives a grace period.
+not pass SIGTERM on at all. :func:`run_forwarding_signals` sends SIGINT, SIGTERM
+and SIGUSR1 (what a scheduler sends before a time limit) on to the child and waits
+for it to finish, killing it only if it outlives a grace period: long enough for
+the ranks to write their checkpoint (``kmp.callbacks.AtomicCheckpoint``).
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
-__all__ = ["run_forwarding_signals"]
+__all__ = ["FORWARDED_SIGNALS", "run_forwarding_signals"]
 
 GRACE_S = 30.0
+# What a launcher passes on to what it started: Ctrl-C, a stop, a time limit's warning.
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 def run_forwarding_signals(
     argv: Sequence[str], env: Mapping[str, str] | None = None, *, grace_s: float = GRACE_S
 ) -> int:
-    """Run ``argv``; forward SIGINT/SIGTERM to it; return its exit status (130 after Ctrl-C).
+    """Run ``argv``; forward :data:`FORWARDED_SIGNALS` to it; return its exit status.
 
     Args:
         argv: The command.
@@ -31,7 +34,8 @@ def run_forwarding_signals(
             before it is killed.
 
     Returns:
-        The child's exit status; 130 when it was interrupted and died of it.
+        The child's exit status; 130 when it was interrupted and died of it, 128 + the
+        signal's number when another forwarded signal killed it.
     """
     child = subprocess.Popen(list(argv), env=None if env is None else dict(env))
     received: list[int] = []
@@ -41,7 +45,7 @@ def run_forwarding_signals(
         if child.poll() is None:
             child.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
         while True:
             try:
@@ -53,5 +57,5 @@ def run_forwarding_signals(
         for s, handler in previous.items():
             signal.signal(s, handler)
     if received and code < 0:
-        return 130 if received[-1] == signal.SIGINT else 128 + signal.SIGTERM
+        return 128 + int(received[-1])  # 130 after Ctrl-C
     return code

@@ -13,8 +13,9 @@ saves the uninterrupted run's weights, then is SIGKILLed on rank 1 in the middle
    uninterrupted run;
 2. builds the same model from the same seed and trains with
    ``kmp.callbacks.AtomicCheckpoint``; rank 1 alone gets SIGTERM as epoch 2's first batch
-   starts, so the ranks must agree to stop after it: one checkpoint at epoch 1, step 1,
-   and ``Preempted`` on every rank (the stopped run), which it then forgets;
+   starts (``KMP_RESUME_SIGNAL_AT``, default ``1:0``), so the ranks must agree to stop
+   after it: one checkpoint at epoch 1, step 1, and ``Preempted`` on every rank (the
+   stopped run), which it then forgets;
 3. reseeds to something else, loads the newest checkpoint with ``kmp.load_model`` and
    trains to the end of epoch 2 (``initial_epoch=1``; the batch done is skipped): the
    resumed run.
@@ -48,6 +49,8 @@ from _zoo import gpt2_causal_lm, lm_batch  # noqa: E402
 import kmp  # noqa: E402
 
 STEPS, BATCH = 3, 4
+# Where rank 1 is signalled: epoch and batch, 0-based (bench/resume.py varies it).
+STOP_AT = tuple(int(n) for n in os.environ.get("KMP_RESUME_SIGNAL_AT", "1:0").split(":"))
 
 
 @keras.saving.register_keras_serializable(package="kmp_tests")
@@ -180,7 +183,7 @@ def case(spec: str, folder: Path) -> dict:
     ckpt = folder / spec.replace(":", "-")
     callbacks = [kmp.callbacks.AtomicCheckpoint(ckpt)]
     if RANK == 1:  # one rank alone is signalled: the ranks must agree to stop
-        callbacks.insert(0, SignalAt(epoch=1, batch=0))
+        callbacks.insert(0, SignalAt(*STOP_AT))
     try:
         fit(stopped, data, 2, callbacks=callbacks)
         preempted = None

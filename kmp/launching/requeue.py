@@ -1,0 +1,98 @@
+"""Requeue a SLURM batch job whose ranks stopped on a signal after their checkpoint.
+
+A rank that a scheduler's signal stopped (``kmp.callbacks.Preempted``) exits with
+:data:`kmp._names.PREEMPTED_EXIT_CODE` (75) once its checkpoint is on disk. Inside a
+SLURM batch job, ``kmp launch`` then puts the job back in the queue itself
+(``scontrol requeue``), up to ``--max-requeues`` times, and the requeued run resumes
+from the checkpoint: a job whose work is longer than its time limit finishes across
+its requeues (``#SBATCH --signal=USR1@90`` asks for the signal before the limit).
+
+:func:`plan_requeue` decides (pure); :func:`requeue` runs ``scontrol``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+from collections.abc import Mapping
+
+from kmp._names import PREEMPTED_EXIT_CODE
+
+__all__ = ["DEFAULT_MAX_REQUEUES", "RequeuePlan", "plan_requeue", "requeue"]
+
+# How many times kmp launch requeues one job by default (SLURM counts them in
+# SLURM_RESTART_COUNT, failed nodes' requeues included).
+DEFAULT_MAX_REQUEUES = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RequeuePlan:
+    """What to do after a job ended: requeue ``job_id`` (or not, and why).
+
+    Attributes:
+        job_id: The SLURM job to requeue; None: nothing to do.
+        note: One line for the log: what is done, or why not.
+    """
+
+    job_id: str | None
+    note: str
+
+
+def plan_requeue(code: int, environ: Mapping[str, str], max_requeues: int) -> RequeuePlan | None:
+    """Decide whether a job that ended with ``code`` is requeued.
+
+    Args:
+        code: The job's exit status.
+        environ: ``kmp launch``'s environment (``SLURM_JOB_ID``,
+            ``SLURM_RESTART_COUNT``).
+        max_requeues: The most requeues of one job (0: never).
+
+    Returns:
+        None when the job was not preempted (any other status) or runs outside
+        SLURM; otherwise the plan, with a note.
+    """
+    if code != PREEMPTED_EXIT_CODE:
+        return None
+    job = environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        done = int(environ.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        done = 0
+    if max_requeues <= 0:
+        return RequeuePlan(None, f"preempted; not requeuing job {job} (--max-requeues 0)")
+    if done >= max_requeues:
+        return RequeuePlan(
+            None,
+            f"preempted; job {job} ran {done + 1} times, --max-requeues {max_requeues} "
+            "reached: not requeued (resume it with sbatch, from its checkpoint)",
+        )
+    return RequeuePlan(
+        job,
+        f"preempted after a checkpoint; requeuing job {job} (requeue {done + 1} of at most "
+        f"{max_requeues})",
+    )
+
+
+def requeue(plan: RequeuePlan) -> bool:
+    """Run ``scontrol requeue`` for ``plan.job_id``; return whether SLURM accepted it."""
+    if plan.job_id is None:
+        return False
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        print("kmp launch: scontrol is not on PATH: the job is not requeued", flush=True)
+        return False
+    done = subprocess.run(
+        [scontrol, "requeue", plan.job_id], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        print(
+            f"kmp launch: scontrol requeue {plan.job_id} failed: "
+            f"{(done.stderr or done.stdout).strip()} (submit the job with --requeue, or "
+            "resume it with sbatch)",
+            flush=True,
+        )
+        return False
+    return True
