@@ -14,11 +14,9 @@ with the saved optimizer, loss and metrics, then loads the optimizer's variables
 optimizer that still does not come back as saved (its class, or its step count) is an
 error, never a silent replacement.
 
-``load_model(path, policy=...)`` loads a model to serve in another precision: the
-saved config's policies are rewritten as :mod:`kmp.load_precision` decides, in a
-temporary copy of the archive, and Keras loads that copy uncompiled. The layers
-``kmp.keep_float32`` kept are recorded in the manifest (``kept_float32``) and kept in
-float32 again on every load.
+``load_model(path, policy=...)`` loads a model to serve in another precision (the
+config's policies rewritten as :mod:`kmp.load_precision` decides, in a temporary copy,
+loaded uncompiled). Layers ``kmp.keep_float32`` kept stay float32 on every load.
 """
 
 from __future__ import annotations
@@ -62,6 +60,7 @@ def save_model(
     rank_seed_states: tuple | None = None,
     rank_weights: _rw.RankWeights | None = None,
     temp_prefix: str = ".tmp-",
+    state: _ts.TrainingState | None = None,
 ) -> str:
     """Save ``model`` and its training state to a ``.keras`` file, atomically.
 
@@ -82,6 +81,7 @@ def save_model(
             :func:`kmp.rank_weights.gather` called on all ranks (``AtomicCheckpoint``
             does); None saves this process's, as Keras does.
         temp_prefix: How the temporary file's name starts (checkpoint finders skip it).
+        state: The state to record, captured earlier; None captures it from ``model``.
 
     Returns:
         ``path`` as a string.
@@ -98,14 +98,15 @@ def save_model(
             f"kmp.save_model({path!r}): the file must end with '.keras' (the whole training "
             "state); for the weights alone use model.save_weights('....weights.h5')."
         )
-    state = _ts.capture(
-        model,
-        epoch=epoch,
-        step=step,
-        steps_per_epoch=steps_per_epoch,
-        data_seed=data_seed,
-        rank_seed_states=rank_seed_states,
-    )
+    if state is None:
+        state = _ts.capture(
+            model,
+            epoch=epoch,
+            step=step,
+            steps_per_epoch=steps_per_epoch,
+            data_seed=data_seed,
+            rank_seed_states=rank_seed_states,
+        )
     if rank_weights is not None:
         state = dataclasses.replace(state, rank_weights=rank_weights.paths)
 
@@ -165,11 +166,7 @@ def _keras_skips_compile(model: keras.Model) -> bool:
 
 @contextlib.contextmanager
 def _noting(*texts: str) -> Iterator[list[str]]:
-    """Take the warnings that contain one of ``texts`` aside (yielded); show every other as usual.
-
-    Only those are intercepted: the others reach the user through the filters and
-    the ``showwarning`` in force, unchanged.
-    """
+    """Take the warnings that contain one of ``texts`` aside (yielded); others pass unchanged."""
     noted: list[str] = []
     with warnings.catch_warnings():
         shown = warnings.showwarning

@@ -18,23 +18,23 @@ from typing import Any
 import keras
 
 from kmp import distributed, rank_weights
-from kmp._checks import check_bool, check_choice, check_int
+from kmp._checks import check_bool, check_int
 from kmp.callbacks._ranks import is_chief, to_float
+from kmp.callbacks.async_write import AsyncWriter, snapshot
 from kmp.callbacks.checkpoint_files import (
-    DEFAULT_CHECKPOINT_NAME,
-    DEFAULT_WEIGHTS_NAME,
     TMP_PREFIX,
     FoundCheckpoint,
     atomic_save,
+    checked_filepath,
     checkpoints,
     latest_checkpoint,
     template_regex,
 )
-from kmp.callbacks.checkpoint_schedule import InEpochSchedule
+from kmp.callbacks.checkpoint_schedule import InEpochSchedule, monitor_mode
 from kmp.callbacks.preemption import DEFAULT_SIGNALS, Preempted, SignalCatcher, agree
 from kmp.callbacks.resume import StepSkipper, plan_skip
-from kmp.saving import save_model
-from kmp.training_state import LOADED_STATE, gather_seed_states, loaded_state
+from kmp.saving import load_model, save_model
+from kmp.training_state import LOADED_STATE, capture, gather_seed_states, loaded_state
 
 __all__ = ["AtomicCheckpoint", "FoundCheckpoint", "atomic_save", "latest_checkpoint"]
 
@@ -43,25 +43,21 @@ class AtomicCheckpoint(keras.callbacks.Callback):
     """Save the whole training state atomically: at epoch ends, every N steps, on a signal.
 
     Every rank's random state and differing non-trainable weights are gathered
-    (collectives on every rank), then the chief alone writes: to a temporary file
-    in the target folder, moved into place with ``os.replace``. A crash or a full
-    disk never leaves a half-written checkpoint for :func:`latest_checkpoint` to
-    find.
+    (collectives), then the chief alone writes to a temporary file moved into place
+    with ``os.replace``: a crash or a full disk never leaves a half-written checkpoint.
 
     Inside an epoch (``save_every_steps``, ``save_every_seconds``, a signal) the
-    checkpoint records the batches of the epoch already done. A model loaded from
-    it with :func:`kmp.load_model` and trained with ``fit(initial_epoch=ckpt.epoch)``
-    goes on at the next batch: this callback skips the batches done (taken from the
-    data and dropped, nothing computed), so the run ends with the weights, optimizer
-    state and random state of one that never stopped, provided ``fit`` gets the
-    same data in the same order (docs/checkpoints.md).
+    checkpoint records the batches of the epoch done. A model loaded from it with
+    :func:`kmp.load_model` and trained with ``fit(initial_epoch=ckpt.epoch)`` goes on at
+    the next batch: this callback skips the batches done (read and dropped, nothing
+    computed), so the run ends as one that never stopped, given the same data in the
+    same order (docs/checkpoints.md).
 
-    During ``fit`` the ``signals`` (SIGTERM and SIGUSR1 by default: a scheduler's
-    time limit or preemption) no longer end the process at once: every rank
-    finishes its step, the ranks agree on that step, one checkpoint is written and
-    :class:`~kmp.callbacks.preemption.Preempted` is raised (a ``SystemExit`` with
-    status 75: run again to resume). A handler installed before is chained; a
-    second signal of the same kind ends the process as it would have without kmp.
+    During ``fit`` the ``signals`` (SIGTERM, SIGUSR1: a time limit, a preemption) no
+    longer end the process at once: every rank finishes its step, the ranks agree on
+    it, one checkpoint is written and :class:`~kmp.callbacks.preemption.Preempted` is
+    raised (``SystemExit`` 75: run again to resume). A handler installed before is
+    chained; the same signal twice ends the process as it would without kmp.
 
     Args:
         filepath: A directory (files are then named ``ckpt-{epoch:04d}.keras`` and,
@@ -97,6 +93,10 @@ class AtomicCheckpoint(keras.callbacks.Callback):
             (with a warning when they were asked for).
         resume_inside_epoch: Skip the batches a loaded checkpoint had done in its
             epoch (False: train that epoch again from its first batch).
+        async_write: Write checkpoints in a background thread: the step only copies
+            the variables to host memory (:mod:`kmp.callbacks.async_write`; costs a
+            second copy of the model and optimizer in host memory). The first
+            checkpoint and a signal's are written at once.
 
     Raises:
         TypeError: An argument has the wrong type (e.g. ``keep="3"``).
@@ -123,32 +123,14 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         save_every_seconds: float | None = None,
         signals: Sequence[str] | None = DEFAULT_SIGNALS,
         resume_inside_epoch: bool = True,
+        async_write: bool = False,
     ):
         super().__init__()
         filepath = os.fspath(filepath)
         save_best_only = check_bool("AtomicCheckpoint(save_best_only)", save_best_only)
         save_weights_only = check_bool("AtomicCheckpoint(save_weights_only)", save_weights_only)
-        suffix = ".weights.h5" if save_weights_only else ".keras"
-        if "{" not in filepath and not filepath.endswith((".keras", ".h5")):
-            filepath = os.path.join(
-                filepath, DEFAULT_WEIGHTS_NAME if save_weights_only else DEFAULT_CHECKPOINT_NAME
-            )
-        if not filepath.endswith(suffix):
-            raise ValueError(
-                f"AtomicCheckpoint(filepath={filepath!r}, save_weights_only={save_weights_only}): "
-                f"the file name must end with {suffix!r} (Keras 3 picks the format from it)."
-            )
-        if not isinstance(monitor, str):
-            raise TypeError(
-                f"`AtomicCheckpoint(monitor)` must be a metric name; got {monitor!r}. "
-                "Pass a key of the epoch logs, e.g. 'val_loss'."
-            )
-        mode = check_choice(
-            "AtomicCheckpoint(mode)",
-            mode,
-            ("auto", "min", "max"),
-            hint="Use 'min' for losses, 'max' for accuracies, or 'auto' to pick by the name.",
-        )
+        filepath = checked_filepath(filepath, save_weights_only)
+        mode = monitor_mode(monitor, mode)
         if keep is not None:
             keep = check_int(
                 "AtomicCheckpoint(keep)",
@@ -179,11 +161,14 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         resume_inside_epoch = check_bool(
             "AtomicCheckpoint(resume_inside_epoch)", resume_inside_epoch
         )
+        async_write = check_bool("AtomicCheckpoint(async_write)", async_write)
+        if async_write and save_weights_only:
+            raise ValueError(
+                "AtomicCheckpoint(async_write=True) writes the whole training state; it "
+                "cannot be combined with save_weights_only=True."
+            )
         if keep is not None:
             template_regex(os.path.basename(filepath))  # raises without an {epoch} field
-        if mode == "auto":
-            name = monitor.lower()
-            mode = "max" if any(k in name for k in ("acc", "auc", "precision", "recall")) else "min"
         self.filepath = filepath
         self.schedule = schedule
         self.step_filepath = schedule.step_filepath
@@ -201,6 +186,8 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         self.save_every_seconds = schedule.every_seconds
         self.signals = schedule.signals
         self.resume_inside_epoch = resume_inside_epoch
+        self.async_write = async_write
+        self._writer: AsyncWriter | None = None
         self.best = -math.inf if mode == "max" else math.inf
         self.last_saved: str | None = None
         self.saved: list[str] = []  # every file this callback wrote (on the chief only)
@@ -262,6 +249,8 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         self._release()
 
     def _release(self) -> None:
+        if self._writer is not None:
+            self._writer.wait()  # no write is left behind
         self._catcher.remove()
         if self._skipper is not None:
             self._skipper.remove()
@@ -317,7 +306,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         if signalled:
             if at_epoch_end:
                 return  # on_epoch_end writes the epoch's checkpoint and stops
-            path = self._save(self._epoch, done, {})
+            path = self._save(self._epoch, done, {}, background=False)
             self._preempted(path, self._epoch, done)
         if due and not at_epoch_end:
             self._save(self._epoch, done, {})
@@ -330,7 +319,8 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         due = not (epoch + 1) % self.save_freq
         if not due and not signalled:
             return
-        path = self._save(epoch + 1, 0, logs or {}, best_only=due and self.save_best_only)
+        best_only = due and self.save_best_only
+        path = self._save(epoch + 1, 0, logs or {}, best_only=best_only, background=not signalled)
         if signalled:
             self._preempted(path, epoch + 1, 0)
 
@@ -352,7 +342,9 @@ class AtomicCheckpoint(keras.callbacks.Callback):
             )
         raise Preempted(name, path if is_chief() else None, epoch, step)
 
-    def _save(self, epoch: int, step: int, logs: dict, *, best_only: bool = False) -> str | None:
+    def _save(
+        self, epoch: int, step: int, logs: dict, *, best_only: bool = False, background: bool = True
+    ) -> str | None:
         """Write the checkpoint of position ``(epoch, step)``; return its path on the chief."""
         # Every rank's dropout state and its own non-trainable weights, gathered on every
         # rank (collectives) before the chief alone decides and writes.
@@ -384,32 +376,59 @@ class AtomicCheckpoint(keras.callbacks.Callback):
                 f"AtomicCheckpoint: cannot format {template!r} with epoch, step and the logs "
                 f"{sorted(logs)} ({exc!r}); use only those names in the template."
             ) from exc
-        if self.save_weights_only:
-            with distributed.alone():  # the chief saves without the other processes
-                atomic_save(path, self.model.save_weights)
+        steps = self.params.get("steps") if self.params else None
+        state = capture(
+            self.model,
+            epoch=epoch,
+            step=step,
+            steps_per_epoch=steps,
+            data_seed=self.data_seed,
+            rank_seed_states=seeds,
+        )
+        where = f"Epoch {epoch}" if step == 0 else f"Epoch {epoch + 1}, step {step}"
+
+        def write(model: keras.Model) -> str:
+            with distributed.alone():  # the chief writes without the other processes
+                if self.save_weights_only:
+                    atomic_save(path, model.save_weights)
+                else:  # the model, its optimizer and the training state
+                    save_model(
+                        model, path, rank_weights=per_rank, temp_prefix=TMP_PREFIX, state=state
+                    )
+            if self.verbose:
+                print(f"{where}: checkpoint written to {path}", flush=True)
+            self._prune()
+            return path
+
+        writer = self._async_writer(background)
+        if writer is None or not writer.has_twin:
+            if self._writer is not None:
+                self._writer.wait()
+            write(self.model)
+            if writer is not None:
+                with distributed.alone():
+                    writer.adopt(path)  # the copy later checkpoints are written from
         else:
-            with distributed.alone():  # the model, its optimizer and the training state
-                save_model(
-                    self.model,
-                    path,
-                    epoch=epoch,
-                    step=step,
-                    steps_per_epoch=self.params.get("steps") if self.params else None,
-                    data_seed=self.data_seed,
-                    rank_seed_states=seeds,
-                    rank_weights=per_rank,
-                    temp_prefix=TMP_PREFIX,
-                )
+            if self.verbose and writer.busy():
+                print(f"{where}: waiting for the checkpoint being written", flush=True)
+            writer.submit(snapshot(self.model), write)
         self.last_saved = path
         self.saved.append(path)
-        if self.verbose:
-            where = f"Epoch {epoch}" if step == 0 else f"Epoch {epoch + 1}, step {step}"
-            print(f"{where}: checkpoint written to {path}", flush=True)
+        return path
+
+    def _async_writer(self, background: bool) -> AsyncWriter | None:
+        """The background writer when this checkpoint may be written in the background."""
+        if not (self.async_write and background):
+            return None
+        if self._writer is None:
+            self._writer = AsyncWriter(lambda path: load_model(path))
+        return self._writer
+
+    def _prune(self) -> None:
         if self.keep is not None:
             old = checkpoints(self.directory, self._templates())
             for _epoch, _step, stale in old[: max(0, len(old) - self.keep)]:
                 os.remove(stale)
-        return path
 
     def get_config(self) -> dict[str, Any]:
         """Return the constructor arguments."""
@@ -427,4 +446,5 @@ class AtomicCheckpoint(keras.callbacks.Callback):
             "save_every_seconds": self.save_every_seconds,
             "signals": self.signals,
             "resume_inside_epoch": self.resume_inside_epoch,
+            "async_write": self.async_write,
         }

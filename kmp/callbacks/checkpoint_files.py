@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_WEIGHTS_NAME",
     "FoundCheckpoint",
     "atomic_save",
+    "checked_filepath",
     "checkpoints",
     "latest_checkpoint",
     "step_template",
@@ -121,6 +122,26 @@ def step_template(template: str) -> str:
         if template.endswith(suffix):
             return template[: -len(suffix)] + "-step-{step:06d}" + suffix
     return template + "-step-{step:06d}"
+
+
+def checked_filepath(filepath: str, save_weights_only: bool) -> str:
+    """AtomicCheckpoint's file-name template: a folder gets the default names.
+
+    Raises:
+        ValueError: The name does not end as the format needs (``.keras``, or
+            ``.weights.h5`` with ``save_weights_only``).
+    """
+    suffix = ".weights.h5" if save_weights_only else ".keras"
+    if "{" not in filepath and not filepath.endswith((".keras", ".h5")):
+        filepath = os.path.join(
+            filepath, DEFAULT_WEIGHTS_NAME if save_weights_only else DEFAULT_CHECKPOINT_NAME
+        )
+    if not filepath.endswith(suffix):
+        raise ValueError(
+            f"AtomicCheckpoint(filepath={filepath!r}, save_weights_only={save_weights_only}): "
+            f"the file name must end with {suffix!r} (Keras 3 picks the format from it)."
+        )
+    return filepath
 
 
 def checkpoints(directory: str, templates: Iterable[str]) -> list[tuple[int, int, str]]:

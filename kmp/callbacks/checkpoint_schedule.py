@@ -1,7 +1,9 @@
-"""When AtomicCheckpoint writes inside an epoch: every N steps, every T seconds, on a signal.
+"""When AtomicCheckpoint writes: the best epoch's metric, every N steps, T seconds, a signal.
 
-:class:`InEpochSchedule` holds the settings, checked once (``from_arguments``), and
-decides (``due``, pure); :class:`~kmp.callbacks.AtomicCheckpoint` acts on it.
+:func:`monitor_mode` reads which way ``save_best_only``'s metric improves;
+:class:`InEpochSchedule` holds the settings of the checkpoints inside an epoch,
+checked once (``from_arguments``), and decides (``due``, pure);
+:class:`~kmp.callbacks.AtomicCheckpoint` acts on them.
 """
 
 from __future__ import annotations
@@ -12,11 +14,35 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from kmp._checks import check_int, check_number
+from kmp._checks import check_choice, check_int, check_number
 from kmp.callbacks.checkpoint_files import step_template, template_regex
 from kmp.callbacks.preemption import DEFAULT_SIGNALS, normalize_signals
 
-__all__ = ["InEpochSchedule"]
+__all__ = ["InEpochSchedule", "monitor_mode"]
+
+
+def monitor_mode(monitor: Any, mode: Any) -> str:
+    """Return ``"min"`` or ``"max"``: how ``monitor`` improves (``"auto"`` reads its name).
+
+    Raises:
+        TypeError: ``monitor`` is not a metric name.
+        ValueError: ``mode`` is not ``"auto"``, ``"min"`` or ``"max"``.
+    """
+    if not isinstance(monitor, str):
+        raise TypeError(
+            f"`AtomicCheckpoint(monitor)` must be a metric name; got {monitor!r}. "
+            "Pass a key of the epoch logs, e.g. 'val_loss'."
+        )
+    mode = check_choice(
+        "AtomicCheckpoint(mode)",
+        mode,
+        ("auto", "min", "max"),
+        hint="Use 'min' for losses, 'max' for accuracies, or 'auto' to pick by the name.",
+    )
+    if mode == "auto":
+        name = monitor.lower()
+        mode = "max" if any(k in name for k in ("acc", "auc", "precision", "recall")) else "min"
+    return mode
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,7 @@ from kmp.launching.elastic import configure_elastic, options_from_args
 from kmp.launching.engine_env import configure_engine
 from kmp.launching.hosts import LaunchError, parse_hosts, read_hostfile
 from kmp.launching.job import build_command, execute, format_command
-from kmp.launching.requeue import DEFAULT_MAX_REQUEUES, plan_requeue, requeue
+from kmp.launching.requeue import after_job, check_requeue_args, configure_requeue
 from kmp.launching.slurm import allocation_hosts
 
 __all__ = ["configure", "main", "run"]
@@ -107,15 +107,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     configure_elastic(parser)
     configure_engine(parser)
-    parser.add_argument(
-        "--max-requeues",
-        type=int,
-        default=DEFAULT_MAX_REQUEUES,
-        metavar="N",
-        help="inside a SLURM batch job, requeue a job whose ranks stopped on a signal after "
-        f"their checkpoint (exit status 75) at most N times (default {DEFAULT_MAX_REQUEUES}; "
-        "0: never)",
-    )
+    configure_requeue(parser)
     parser.add_argument(
         "--no-preflight",
         action="store_true",
@@ -133,8 +125,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build the command from parsed arguments, then print it (``--dry-run``) or run it."""
     try:
-        if args.max_requeues < 0:
-            raise LaunchError(f"--max-requeues {args.max_requeues}: give 0 (never) or more.")
+        check_requeue_args(args)
         elastic = options_from_args(args)
         if args.hosts:
             hosts = parse_hosts(args.hosts)
@@ -179,12 +170,7 @@ def run(args: argparse.Namespace) -> int:
             print("kmp launch: the Gloo rendezvous variables are added when the job runs.",
                   file=sys.stderr)  # fmt: skip
         return 0
-    code = execute(plan, check_hosts=not args.no_preflight)
-    after = plan_requeue(code, os.environ, args.max_requeues)
-    if after is not None:
-        print(f"kmp launch: {after.note}", file=sys.stderr, flush=True)
-        requeue(after)
-    return code
+    return after_job(execute(plan, check_hosts=not args.no_preflight), args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,14 +12,26 @@ its requeues (``#SBATCH --signal=USR1@90`` asks for the signal before the limit)
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 
 from kmp._names import PREEMPTED_EXIT_CODE
+from kmp.launching.hosts import LaunchError
 
-__all__ = ["DEFAULT_MAX_REQUEUES", "RequeuePlan", "plan_requeue", "requeue"]
+__all__ = [
+    "DEFAULT_MAX_REQUEUES",
+    "RequeuePlan",
+    "after_job",
+    "check_requeue_args",
+    "configure_requeue",
+    "plan_requeue",
+    "requeue",
+]
 
 # How many times kmp launch requeues one job by default (SLURM counts them in
 # SLURM_RESTART_COUNT, failed nodes' requeues included).
@@ -96,3 +108,31 @@ def requeue(plan: RequeuePlan) -> bool:
         )
         return False
     return True
+
+
+def configure_requeue(parser: argparse.ArgumentParser) -> None:
+    """Add ``--max-requeues`` to ``kmp launch``'s parser."""
+    parser.add_argument(
+        "--max-requeues",
+        type=int,
+        default=DEFAULT_MAX_REQUEUES,
+        metavar="N",
+        help="inside a SLURM batch job, requeue a job whose ranks stopped on a signal after "
+        f"their checkpoint (exit status 75) at most N times (default {DEFAULT_MAX_REQUEUES}; "
+        "0: never)",
+    )
+
+
+def check_requeue_args(args: argparse.Namespace) -> None:
+    """Raise LaunchError for a negative ``--max-requeues``."""
+    if args.max_requeues < 0:
+        raise LaunchError(f"--max-requeues {args.max_requeues}: give 0 (never) or more.")
+
+
+def after_job(code: int, args: argparse.Namespace) -> int:
+    """Requeue the job when :func:`plan_requeue` says so; return ``code`` unchanged."""
+    plan = plan_requeue(code, os.environ, args.max_requeues)
+    if plan is not None:
+        print(f"kmp launch: {plan.note}", file=sys.stderr, flush=True)
+        requeue(plan)
+    return code

@@ -229,6 +229,8 @@ def test_a_resume_into_another_epoch_length_fails_before_training(tmp_path):
         ({"signals": ("SIGKILL",)}, ValueError, "cannot be caught"),
         ({"signals": [1.5]}, TypeError, "not a signal name"),
         ({"save_every_steps": 5, "save_best_only": True}, ValueError, "save_best_only"),
+        ({"async_write": True, "save_weights_only": True}, ValueError, "async_write"),
+        ({"async_write": 1}, TypeError, "async_write"),
     ],
 )
 def test_bad_arguments_are_refused_clearly(tmp_path, kwargs, error, message):
@@ -273,3 +275,44 @@ def test_a_fit_without_atomic_checkpoint_is_told_its_position_is_not_resumed(tmp
     with pytest.warns(UserWarning, match=r"written 4 batch\(es\) into epoch 1.*trained again"):
         fit(resumed, [kmp.callbacks.BroadcastInitialState()])
     assert kmp.training_state.loaded_state(resumed) is None  # warned once, then dropped
+
+
+def test_background_writes_hold_the_same_state_and_resume_exactly(tmp_path):
+    sync_run = build("mixed_float16")
+    fit(sync_run, [kmp.callbacks.AtomicCheckpoint(tmp_path / "sync", save_every_steps=4)])
+    model = build("mixed_float16")
+    ckpt = kmp.callbacks.AtomicCheckpoint(tmp_path / "bg", save_every_steps=4, async_write=True)
+    fit(model, [ckpt])
+    names = sorted(os.listdir(tmp_path / "bg"))
+    assert names == sorted(os.listdir(tmp_path / "sync"))
+    # The first checkpoint made the twin; the three after it were written from a thread.
+    assert len(ckpt._writer.written) == 3 and not ckpt._writer.busy()
+    for name in names:
+        a = kmp.load_model(tmp_path / "bg" / name)
+        b = kmp.load_model(tmp_path / "sync" / name)
+        assert largest_difference(state_of(a), state_of(b)) == 0.0, name
+        assert read_state(tmp_path / "bg" / name) == read_state(tmp_path / "sync" / name)
+    resumed = kmp.load_model(tmp_path / "bg" / "ckpt-0001-step-000002.keras")
+    fit(resumed, [kmp.callbacks.AtomicCheckpoint(tmp_path / "again")], initial_epoch=1)
+    assert largest_difference(state_of(resumed), state_of(model)) == 0.0
+
+
+def test_a_background_write_that_fails_is_raised_on_the_training_thread(tmp_path, monkeypatch):
+    import kmp.callbacks.checkpoint as module
+
+    model = build("float32")
+    ckpt = kmp.callbacks.AtomicCheckpoint(tmp_path, save_every_steps=4, async_write=True)
+    real = module.save_model
+    calls = []
+
+    def failing(m, path, **kwargs):
+        calls.append(path)
+        if len(calls) > 1:  # the first (synchronous) one succeeds
+            raise OSError(28, "No space left on device")
+        return real(m, path, **kwargs)
+
+    monkeypatch.setattr(module, "save_model", failing)
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        fit(model, [ckpt])
+    # Nothing half-written: only the first checkpoint is there, and no temporary file.
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-0000-step-000004.keras"]
