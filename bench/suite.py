@@ -41,6 +41,7 @@ RESULT_NAMES = {
     "numerics": "numerics",
     "inference": "inference",
     "engines": "engines",
+    "checkpoints": "checkpoints",
 }
 # Environment variables that would change what a benchmark measures.
 _SCRUBBED_ENV = ("KMP_POLICY",)
@@ -122,6 +123,8 @@ def plan(args: argparse.Namespace) -> list[Part]:
             parts.append(Part(name, "inference.py", tuple(argv)))
         elif name == "engines":  # the digits CNN and the GPT on both engines, 2 processes
             parts.append(Part(name, "engines.py", ("--quick",) if quick else ()))
+        elif name == "checkpoints":  # the GPT on 2 processes: step checkpoints, a signal
+            parts.append(Part(name, "checkpoints.py", ("--quick",) if quick else ()))
         else:
             raise ValueError(f"unknown benchmark part {name!r}")
     return parts

@@ -409,6 +409,7 @@ target_numerics = judged_by_part("numerics")
 target_inference = judged_by_part("inference")
 target_engines = judged_by_part("engines")
 target_states = judged_by_part("states")
+target_checkpoints = judged_by_part("checkpoints")
 
 
 TARGETS = (
@@ -424,6 +425,7 @@ TARGETS = (
     target_numerics,
     target_inference,
     target_engines,
+    target_checkpoints,
 )
 
 

@@ -774,6 +774,8 @@ def _signed(part: str, path: str) -> bool:
     last = path.rsplit("/", 1)[-1]
     if part == "inference":
         return last == "value"  # a target's change in accuracy points or perplexity
+    if part == "checkpoints":  # a step time's change against no checkpoints (noise: < 0)
+        return last in ("cost", "value")
     return part == "numerics" and last in ("delta_percent", "delta_points", "value")
 
 
@@ -787,6 +789,7 @@ def _signed_targets(summary: dict) -> list[dict]:
         or "(mean of seeds)" in t["name"]
         or t["name"].startswith("inference, int8 accuracy")
         or "perplexity vs float32" in t["name"]
+        or t["name"].startswith("async step checkpoints")
     ]
 
 
@@ -816,7 +819,7 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
         assert fig["step_bytes"] > 0
     assert memory["policies"]["mixed_float16"]["activation_vs_float32"] < 1.0
     targets = {t["name"]: t for t in summary["targets"]}
-    assert len(targets) == 40
+    assert len(targets) == 42
     measured = [t for t in targets.values() if t["result"] != "not run"]
     # All but the GPU one, the two of the links and the best 16-bit policy's on the MLP and
     # the GPT (the quick policies part trains the CNN only); of the numerics, the
@@ -824,8 +827,9 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
     # inference's, those of the digits CNN, the MLP and the GPT in bfloat16 and int8 (not
     # ResNet50's or MNIST-1D's) and both exports' sizes; the engines' on the digits CNN;
     # the five of the states part (state bytes, step peak, step times); the overhead
-    # part's two (kmp vs Keras, the underflow reading vs the overflow-only rule).
-    assert len(measured) == 26, [t["name"] for t in measured]
+    # part's two (kmp vs Keras, the underflow reading vs the overflow-only rule); the
+    # checkpoints part's two (async cost, signal to checkpoint).
+    assert len(measured) == 28, [t["name"] for t in measured]
     peers = json.loads((out / summary["parts"]["peers"]["result_file"]).read_text())
     jobs = peers["local"]["jobs"]
     assert not peers["local"]["errors"]

@@ -40,7 +40,10 @@ started as a child process of this one):
   accuracy or perplexity (``bench/inference.py``);
 * ``engines``: the digits CNN and the byte-level GPT on 2 processes under each policy, on
   the Horovod engine, the JAX engine with kmp's step and with Keras's own
-  (``bench/engines.py``; ``--quick``: the digits CNN, float32, 1 epoch, two engines).
+  (``bench/engines.py``; ``--quick``: the digits CNN, float32, 1 epoch, two engines);
+* ``checkpoints``: the GPT on 2 processes without, with synchronous and with
+  asynchronous step checkpoints, and the time from a signal to the checkpoint on disk
+  (``bench/checkpoints.py``; ``--quick``: 30 steps, a checkpoint every 10).
 
 Each part writes ``NAME.json`` and ``NAME.md`` into the output folder; then
 ``summary.json``, ``summary.md`` (each target, the measured figure, met or
@@ -67,7 +70,7 @@ from kmp.commands import command_main
 __all__ = ["ALIASES", "MODELS", "PARTS", "configure", "find_bench_dir", "main", "run"]
 
 PARTS = ("policies", "profile", "overhead", "allreduce", "memory", "states")
-PARTS += ("peers", "numerics", "inference", "engines")
+PARTS += ("peers", "numerics", "inference", "engines", "checkpoints")
 # Other names accepted by --only, and the part that measures them.
 ALIASES = {"scaling": "allreduce", "weak_scaling": "allreduce", "policy": "policies"}
 # The models of bench/models.py, repeated so that the parser needs no import of bench/.
