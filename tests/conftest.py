@@ -75,11 +75,15 @@ def script(tmp_path) -> Path:
 
 @pytest.fixture(autouse=True)
 def _reset_keras_global_state(monkeypatch):
-    """Every test starts and ends with Keras's default float32 policy, no KMP_POLICY and
-    outside any SLURM allocation."""
+    """Every test starts and ends with Keras's default float32 policy, no KMP_POLICY, no
+    test-harness variable (KMP_TEST_ORDER, ...) and outside any SLURM allocation."""
     import keras
 
     monkeypatch.delenv("KMP_POLICY", raising=False)
+    for key in ("KMP_TEST_ORDER", "KMP_TEST_WORKERS"):
+        # The harness's own settings, read before any test runs: `kmp launch` forwards
+        # every KMP_* variable, and no test may see how the suite was ordered.
+        monkeypatch.delenv(key, raising=False)
     for key in ("SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_ID"):
         # Run inside a SLURM job, `kmp launch -np N` would start its ranks with srun.
         monkeypatch.delenv(key, raising=False)

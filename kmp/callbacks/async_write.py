@@ -42,8 +42,11 @@ def _variables(model: keras.Model) -> list[Any]:
 
 
 def snapshot(model: keras.Model) -> list[np.ndarray]:
-    """Copy every variable of ``model`` and its optimizer to host memory."""
-    return [np.array(keras.ops.convert_to_numpy(v)) for v in _variables(model)]
+    """Copy every variable of ``model`` and its optimizer to host memory.
+
+    ``keras.ops.convert_to_numpy`` copies already (``np.array`` of the value), once.
+    """
+    return [np.asarray(keras.ops.convert_to_numpy(v)) for v in _variables(model)]
 
 
 class AsyncWriter:

@@ -181,7 +181,9 @@ def case(spec: str, folder: Path) -> dict:
 
     stopped = build(name, policy, master)
     ckpt = folder / spec.replace(":", "-")
-    callbacks = [kmp.callbacks.AtomicCheckpoint(ckpt)]
+    # Step 2 (inside epoch 1) is written at once and makes the copy that epoch 1's end is
+    # written from, in the background; the signal's checkpoint waits for that write.
+    callbacks = [kmp.callbacks.AtomicCheckpoint(ckpt, save_every_steps=2, async_write=True)]
     if RANK == 1:  # one rank alone is signalled: the ranks must agree to stop
         callbacks.insert(0, SignalAt(*STOP_AT))
     try:
@@ -201,7 +203,11 @@ def case(spec: str, folder: Path) -> dict:
     again = kmp.callbacks.AtomicCheckpoint(folder / "again" / spec.replace(":", "-"))
     fit(resumed, data, 2, initial=found.epoch, callbacks=[again])
     got = flat(resumed)
+    # And from the epoch end's checkpoint, written in the background.
+    from_async = kmp.load_model(ckpt / "ckpt-0001.keras")
+    fit(from_async, data, 2, initial=1, callbacks=[kmp.callbacks.AtomicCheckpoint(again.filepath)])
     result = {
+        "from_async_vs_straight": float(np.max(np.abs(flat(from_async) - expected))),
         "epoch": found.epoch,
         "step": found.step,
         "skipped_batches": again.skipped_steps,
