@@ -27,6 +27,7 @@ from typing import Any
 
 from kmp._imports import INSTALL_HINTS, optional_import
 from kmp.distributed import sparse
+from kmp.distributed._op_names import named
 from kmp.distributed._scatter_reduce import scatter_reduce
 from kmp.distributed.buckets import overlap_warning, payload_bytes, plan_buckets
 from kmp.distributed.engines import Engine, Layout, Transport
@@ -184,7 +185,7 @@ class HorovodEngine(Engine):
         t = tf.convert_to_tensor(_as_tf_variable(x))
         if t.shape.rank == 0:
             t = tf.reshape(t, [1])
-        return self.hvd.allgather(t)
+        return named(self.hvd.allgather, "allgather", t)
 
     def grouped_allreduce(self, tensors: Sequence[Any], op: str, how: Transport) -> list[Any]:
         """Reduce ``tensors`` in buckets of fused operations; gathered sparse gradients last.
@@ -312,7 +313,8 @@ def _grouped_by_dtype(hvd: ModuleType, tensors: list[Any], **kwargs: Any) -> lis
         by_dtype.setdefault(t.dtype, []).append(i)
     out: list[Any] = [None] * len(tensors)
     for positions in by_dtype.values():
-        reduced = hvd.grouped_allreduce([tensors[i] for i in positions], **kwargs)
+        group = [tensors[i] for i in positions]
+        reduced = named(hvd.grouped_allreduce, "grouped_allreduce", group, **kwargs)
         for i, r in zip(positions, reduced, strict=True):
             out[i] = r
     return out
@@ -341,7 +343,7 @@ def _bf16_gather_reduce(hvd: ModuleType, floating: list[Any], op: str, n: int) -
     import tensorflow as tf
 
     bits = [tf.bitcast(tf.reshape(tf.cast(t, tf.bfloat16), [-1]), tf.int16) for t in floating]
-    gathered = hvd.grouped_allgather(bits)
+    gathered = named(hvd.grouped_allgather, "bf16_allgather", bits)
     reducer = {
         "average": tf.reduce_mean,
         "sum": tf.reduce_sum,
@@ -363,7 +365,8 @@ def _grouped_allgather(hvd: ModuleType, tensors: list[Any]) -> list[Any]:
         by_dtype.setdefault(t.dtype, []).append(i)
     out: list[Any] = [None] * len(tensors)
     for positions in by_dtype.values():
-        gathered = hvd.grouped_allgather([tensors[i] for i in positions])
+        group = [tensors[i] for i in positions]
+        gathered = named(hvd.grouped_allgather, "grouped_allgather", group)
         for i, g in zip(positions, gathered, strict=True):
             out[i] = g
     return out

@@ -23,6 +23,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from kmp.distributed._op_names import named
+
 __all__ = ["scatter_reduce"]
 
 WIRE = {"fp16": "float16", "bf16": "bfloat16"}
@@ -55,11 +57,11 @@ def scatter_reduce(hvd: ModuleType, tensors: list[Any], op: str, compression: st
     def receive(x: Any) -> Any:
         return tf.bitcast(x, tf.bfloat16) if wire == tf.bfloat16 else x
 
-    mine = receive(hvd.alltoall(send(tf.reshape(flat, [n, chunk]))))  # [n, chunk]
+    mine = receive(named(hvd.alltoall, "alltoall", send(tf.reshape(flat, [n, chunk]))))
     summed = tf.reduce_sum(tf.cast(mine, tf.float32), axis=0)
     if op == "average":
         summed = summed / n
-    reduced = receive(hvd.allgather(send(tf.cast(summed, wire)[None])))  # [n, chunk]
+    reduced = receive(named(hvd.allgather, "scatter_allgather", send(tf.cast(summed, wire)[None])))
     values = tf.reshape(reduced, [-1])[:total]
     out, start = [], 0
     for t in tensors:  # static shapes, as in a traced training step
