@@ -133,16 +133,18 @@ def test_plan_passes_the_options_to_each_script():
         "numerics",
         "inference",
         "engines",
+        "checkpoints",
     ]
     assert parts["states"].argv == ("--states", "--steps", "20")  # its own 67M MLP
     assert parts["engines"].argv == ()  # its own jobs: the digits CNN and the GPT
+    assert parts["checkpoints"].argv == ()  # its own jobs: the GPT on 2 ranks
     assert parts["peers"].argv == ()  # its own models and sizes (the digits CNN, wide_mlp)
     assert parts["numerics"].argv == ()  # its own workloads (digits, MNIST-1D, the GPT)
     assert parts["inference"].argv == ("--exports",)  # its own models, trained then served
     for name, part in parts.items():
         scripts = {"states": "memory.py", "profile": "step_profile.py"}
         assert (BENCH / part.script).name == scripts.get(name, f"{name}.py")
-        if name in ("states", "peers", "numerics", "inference", "engines"):
+        if name in ("states", "peers", "numerics", "inference", "engines", "checkpoints"):
             continue
         argv = list(part.argv)
         assert argv[argv.index("--steps") + 1] == "7"

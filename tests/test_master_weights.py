@@ -360,14 +360,17 @@ def test_a_compiled_step_never_holds_every_gradient_and_float32_copies_at_once(m
     allocator (tests/_step_peak.py), so the answer does not depend on what ran before.
 
     The bound is the gap, in float32 copies of the largest layer (F, here half the bfloat16
-    gradients' size), between the best of five steps of each path; measured (peak / the
-    bfloat16 gradients' bytes, best of five):
+    gradients' size), between the best of five steps of each path. The children run
+    TensorFlow with one inter-op thread, so a peak is what the step holds by construction:
+    with TensorFlow's thread pool, two updates that happen to overlap raised the fused peak
+    at random (kahan fused 2.04-2.52 against op by op 2.52-3.27 on issue 58's AVX2-only
+    EPYC: the ranges met). Measured (peak / the bfloat16 gradients' bytes, five steps):
 
-    - AMD EPYC with AVX512_BF16, oneDNN on: kahan fused 1.51, op by op 2.50-2.76;
-      stochastic fused 0.80-1.01, op by op 2.51 (gap 3.0-3.4 F).
-    - The same CPU with oneDNN off, TensorFlow's Eigen kernels as on an AVX2-only CPU:
-      kahan fused 1.76-2.02, op by op 2.77-3.02 (gap 2.0 F); stochastic fused 1.28,
-      op by op 2.52-2.77 (gap 2.5 F). Issue 58's AVX2-only EPYC: kahan fused 2.02.
+    - AMD EPYC, AVX2 only (no AVX-512), one inter-op thread: kahan fused 1.52 every step,
+      op by op 3.01-3.26 (gap 3.0 F); stochastic fused 1.52, op by op 2.52-2.77 (gap 2.0 F).
+    - Earlier, with TensorFlow's pool: AVX512_BF16 EPYC, oneDNN on: kahan fused 1.51, op by
+      op 2.50-2.76; stochastic fused 0.80-1.01, op by op 2.51. oneDNN off: kahan fused
+      1.76-2.02, op by op 2.77-3.02; stochastic fused 1.28, op by op 2.52-2.77.
     """
     env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "PYTHONPATH": str(ROOT),
            "KERAS_BACKEND": "tensorflow"}  # fmt: skip
@@ -395,8 +398,8 @@ def test_a_compiled_step_never_holds_every_gradient_and_float32_copies_at_once(m
     layer = runs["fused"]["layer_float32_bytes"]
     ratios = {path: [p / runs[path]["gradient_bytes"] for p in run["peaks"]]
               for path, run in runs.items()}  # fmt: skip
-    assert best["op-by-op"] - best["fused"] >= layer, ratios  # 2.0-3.4 F measured
-    assert best["fused"] < 0.75 * best["op-by-op"], ratios  # 0.31-0.67 measured
+    assert best["op-by-op"] - best["fused"] >= layer, ratios  # 2.0-3.0 F measured
+    assert best["fused"] < 0.75 * best["op-by-op"], ratios  # 0.50-0.60 measured
 
 
 # ------------------------------------------------------------------ 2 ranks, 2 engines

@@ -160,8 +160,8 @@ MOVED: dict[str, dict[str, str]] = {
         "Checkpoint": "",  # renamed: what latest_checkpoint found is not a callback
         "FoundCheckpoint": "kmp.callbacks.checkpoint",
         "atomic_save": "kmp.callbacks.checkpoint",
-        "DEFAULT_CHECKPOINT_NAME": "kmp.callbacks.checkpoint",
-        "DEFAULT_WEIGHTS_NAME": "kmp.callbacks.checkpoint",
+        "DEFAULT_CHECKPOINT_NAME": "kmp.callbacks.checkpoint_files",
+        "DEFAULT_WEIGHTS_NAME": "kmp.callbacks.checkpoint_files",
     },
     "kmp.elastic": {
         "epoch_order": "kmp.elastic.data",

@@ -200,7 +200,6 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         self._epoch = 0
         self._steps = 0  # training steps of this fit (skipped batches not counted)
         self._last_save = 0.0
-        self._signal_at: float | None = None
 
     @property
     def directory(self) -> str:
@@ -236,8 +235,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         self.skipped_steps = 0
         self._skip_epoch = -1
         self._last_save = time.monotonic()
-        self._signal_at = None
-        self._catcher.caught = None
+        self._catcher.caught = self._catcher.caught_at = None
         self._catcher.install()
         # The position a loaded model holds is claimed here, before any epoch begins
         # (resume.warn_unclaimed tells a fit without this callback that it is not resumed).
@@ -297,8 +295,6 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         steps = self.params.get("steps") if self.params else None
         due = self.schedule.due(self._steps, time.monotonic() - self._last_save)
         signalled = self._catcher.number()
-        if signalled and self._signal_at is None:
-            self._signal_at = time.monotonic()
         if distributed.size() > 1 and self.schedule.agreed_each_step:
             signalled_all, due_all = agree([signalled, float(due)])
             signalled, due = self._catcher.agreed(signalled_all), bool(due_all)
@@ -328,8 +324,8 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         """After a signal's checkpoint: every rank waits for it, then all leave fit."""
         distributed.barrier()  # no rank exits (and has its launcher stop the chief) mid-write
         name = self._catcher.caught or "signal"
-        if self._signal_at is not None:
-            self.signal_seconds = time.monotonic() - self._signal_at
+        if self._catcher.caught_at is not None:
+            self.signal_seconds = time.monotonic() - self._catcher.caught_at
         self._release()
         if is_chief():
             seconds = ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -122,6 +123,7 @@ class SignalCatcher:
     def __init__(self, signals: Sequence[str]):
         self.signals = tuple(signals)
         self.caught: str | None = None
+        self.caught_at: float | None = None  # time.monotonic() of the catch (or agreement)
         self._previous: dict[signal.Signals, Any] = {}
         self._received: dict[signal.Signals, int] = {}
 
@@ -132,8 +134,8 @@ class SignalCatcher:
     def agreed(self, number: float) -> int:
         """Take the ranks' agreed signal (a number, 0 for none) as this rank's; return it."""
         number = int(number)
-        if number and self.caught is None:
-            self.caught = signal.Signals(number).name  # a peer's signal stops this rank too
+        if number and self.caught is None:  # a peer's signal stops this rank too
+            self.caught, self.caught_at = signal.Signals(number).name, time.monotonic()
         return number
 
     @property
@@ -151,7 +153,7 @@ class SignalCatcher:
                 signal.raise_signal(signum)  # what it would have done without kmp
                 return
         elif self.caught is None:
-            self.caught = sig.name
+            self.caught, self.caught_at = sig.name, time.monotonic()
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)  # a handler someone installed before: chained
         elif previous is signal.default_int_handler and self._received[sig] > 1:

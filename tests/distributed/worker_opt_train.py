@@ -210,7 +210,7 @@ def _timeline_bytes(path: str) -> dict:
             continue
         dims = [int(d) for d in args["shape"].strip("[]").split(",") if d.strip()]
         nbytes = int(np.prod(dims)) * sizes[args["dtype"]]
-        if "Allgather" in names.get(e["pid"], ""):
+        if "allgather" in names.get(e["pid"], "").lower():  # Horovod's names, or kmp_*_allgather
             nbytes /= WORLD.size
         found[args["dtype"]] = found.get(args["dtype"], 0) + nbytes
     return found
