@@ -35,7 +35,7 @@ __all__ = [
 
 # How many times kmp launch requeues one job by default (SLURM counts them in
 # SLURM_RESTART_COUNT, failed nodes' requeues included).
-DEFAULT_MAX_REQUEUES = 20
+DEFAULT_MAX_REQUEUES = 0  # opt-in: scancel also sends SIGTERM, and a cancelled job must stay so
 
 
 @dataclasses.dataclass(frozen=True)
