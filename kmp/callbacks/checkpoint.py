@@ -246,10 +246,10 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         """Put the signal handlers and the train function back."""
         self._release()
 
-    def _release(self) -> None:
+    def _release(self, *, checkpointed: bool = False) -> None:
         if self._writer is not None:
             self._writer.wait()  # no write is left behind
-        self._catcher.remove()
+        self._catcher.remove(checkpointed=checkpointed)
         if self._skipper is not None:
             self._skipper.remove()
             self._skipper = None
@@ -326,7 +326,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
         name = self._catcher.caught or "signal"
         if self._catcher.caught_at is not None:
             self.signal_seconds = time.monotonic() - self._catcher.caught_at
-        self._release()
+        self._release(checkpointed=True)  # a later SIGTERM (a peer left first): still 75
         if is_chief():
             seconds = ""
             if self.signal_seconds is not None:

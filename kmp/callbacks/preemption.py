@@ -14,7 +14,10 @@ the status that says "preempted, run me again to resume".
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -176,11 +179,30 @@ class SignalCatcher:
             sig = signal.Signals[sig_name]
             self._previous[sig] = signal.signal(sig, self._handle)
 
-    def remove(self) -> None:
-        """Put back the handlers that were there before."""
+    def remove(self, *, checkpointed: bool = False) -> None:
+        """Put back the handlers that were there before.
+
+        Args:
+            checkpointed: The process is leaving with :data:`PREEMPTED_EXIT_CODE`,
+                its checkpoint on disk. A signal whose handler was the default then
+                ends it at once with that status instead of a signal's: a launcher
+                that stops every rank when the first one leaves (``srun
+                --kill-on-bad-exit``, Horovod's) must still read "preempted", not
+                "killed by SIGTERM", from a rank that was leaving anyway.
+        """
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            if previous in (None, signal.SIG_DFL):
+                previous = _exit_preempted if checkpointed else signal.SIG_DFL
+            signal.signal(sig, previous)
         self._previous = {}
+
+
+def _exit_preempted(signum: int, frame: Any) -> None:
+    """A stop signal after the preemption checkpoint: exit with its status now."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
+    os._exit(PREEMPTED_EXIT_CODE)
 
 
 def agree(flags: Sequence[float]) -> np.ndarray:

@@ -170,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
             print("kmp launch: the Gloo rendezvous variables are added when the job runs.",
                   file=sys.stderr)  # fmt: skip
         return 0
-    return after_job(execute(plan, check_hosts=not args.no_preflight), args)
+    received: list[int] = []  # the signals kmp launch itself gets while the job runs
+    code = execute(plan, check_hosts=not args.no_preflight, received=received)
+    return after_job(code, args, received)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

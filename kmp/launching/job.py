@@ -363,13 +363,17 @@ def format_command(plan: LaunchPlan) -> str:
     return shlex.join([*prefix, *plan.argv])
 
 
-def execute(plan: LaunchPlan, *, check_hosts: bool = True) -> int:
+def execute(
+    plan: LaunchPlan, *, check_hosts: bool = True, received: list[int] | None = None
+) -> int:
     """Check the hosts, run the plan and return its exit status (130 after Ctrl-C).
 
     Args:
         plan: What :func:`build_command` returned.
         check_hosts: Run ``plan.checks`` first; a failed check returns 2 and
             starts nothing.
+        received: Where the signals ``kmp launch`` itself received while the job
+            ran are appended (see :func:`run_forwarding_signals`).
     """
     if plan.discovery is not None:
         try:
@@ -401,7 +405,7 @@ def execute(plan: LaunchPlan, *, check_hosts: bool = True) -> int:
         )
         return 127
     if not plan.rendezvous:
-        return run_forwarding_signals(plan.argv, env)
+        return run_forwarding_signals(plan.argv, env, received=received)
     with contextlib.ExitStack() as stack:
         try:
             gloo = stack.enter_context(slurm.gloo_rendezvous(plan.rendezvous, plan.interface))
@@ -411,4 +415,4 @@ def execute(plan: LaunchPlan, *, check_hosts: bool = True) -> int:
             hint = INSTALL_HINTS["horovod"] if isinstance(exc, ImportError) else ""
             print(f"kmp launch: error: {exc} {hint}".rstrip(), file=sys.stderr)
             return 2
-        return run_forwarding_signals(plan.argv, {**env, **gloo})
+        return run_forwarding_signals(plan.argv, {**env, **gloo}, received=received)

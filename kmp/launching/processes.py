@@ -23,7 +23,11 @@ FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 def run_forwarding_signals(
-    argv: Sequence[str], env: Mapping[str, str] | None = None, *, grace_s: float = GRACE_S
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    grace_s: float = GRACE_S,
+    received: list[int] | None = None,
 ) -> int:
     """Run ``argv``; forward :data:`FORWARDED_SIGNALS` to it; return its exit status.
 
@@ -32,13 +36,16 @@ def run_forwarding_signals(
         env: Its environment (default: this process's).
         grace_s: How long the child may take to exit after a forwarded signal
             before it is killed.
+        received: A list the caller owns; each signal this process received while
+            the child ran is appended (what a launcher then decides on: a job
+            cancelled with SIGTERM is not requeued).
 
     Returns:
         The child's exit status; 130 when it was interrupted and died of it, 128 + the
         signal's number when another forwarded signal killed it.
     """
     child = subprocess.Popen(list(argv), env=None if env is None else dict(env))
-    received: list[int] = []
+    received = [] if received is None else received
 
     def forward(signum: int, frame: FrameType | None) -> None:
         received.append(signum)

@@ -7,6 +7,14 @@ SLURM batch job, ``kmp launch`` then puts the job back in the queue itself
 from the checkpoint: a job whose work is longer than its time limit finishes across
 its requeues (``#SBATCH --signal=USR1@90`` asks for the signal before the limit).
 
+Only a time limit's warning is answered with a requeue. ``scancel``, a time limit
+reached without a warning and SLURM's own preemption send SIGTERM to the batch
+shell, which is ``kmp launch`` itself, as well as to the ranks: the ranks still
+checkpoint and exit 75, but the job is ending (or SLURM requeues it itself), so a
+launcher that received SIGTERM or SIGINT never requeues. The warning reaches the
+ranks (``--signal=USR1@T``) or the batch shell (``--signal=B:USR1@T``, which
+``kmp launch`` passes on), never as SIGTERM.
+
 :func:`plan_requeue` decides (pure); :func:`requeue` runs ``scontrol``.
 """
 
@@ -16,15 +24,17 @@ import argparse
 import dataclasses
 import os
 import shutil
+import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from kmp._names import PREEMPTED_EXIT_CODE
 from kmp.launching.hosts import LaunchError
 
 __all__ = [
     "DEFAULT_MAX_REQUEUES",
+    "ENDING_SIGNALS",
     "RequeuePlan",
     "after_job",
     "check_requeue_args",
@@ -33,9 +43,12 @@ __all__ = [
     "requeue",
 ]
 
-# How many times kmp launch requeues one job by default (SLURM counts them in
-# SLURM_RESTART_COUNT, failed nodes' requeues included).
-DEFAULT_MAX_REQUEUES = 0  # opt-in: scancel also sends SIGTERM, and a cancelled job must stay so
+# How many times kmp launch requeues one job by default: SLURM's own bound on a batch
+# job's requeues (slurm.conf MaxBatchRequeue, default 5). SLURM counts them in
+# SLURM_RESTART_COUNT, failed nodes' requeues included.
+DEFAULT_MAX_REQUEUES = 5
+# Signals that mean "this job is ending" when kmp launch itself receives them.
+ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +64,12 @@ class RequeuePlan:
     note: str
 
 
-def plan_requeue(code: int, environ: Mapping[str, str], max_requeues: int) -> RequeuePlan | None:
+def plan_requeue(
+    code: int,
+    environ: Mapping[str, str],
+    max_requeues: int,
+    received: Iterable[int] = (),
+) -> RequeuePlan | None:
     """Decide whether a job that ended with ``code`` is requeued.
 
     Args:
@@ -59,6 +77,9 @@ def plan_requeue(code: int, environ: Mapping[str, str], max_requeues: int) -> Re
         environ: ``kmp launch``'s environment (``SLURM_JOB_ID``,
             ``SLURM_RESTART_COUNT``).
         max_requeues: The most requeues of one job (0: never).
+        received: The signals ``kmp launch`` itself received while the job ran: one
+            of :data:`ENDING_SIGNALS` (scancel, the time limit reached) means the job
+            is ending and is not requeued.
 
     Returns:
         None when the job was not preempted (any other status) or runs outside
@@ -73,6 +94,14 @@ def plan_requeue(code: int, environ: Mapping[str, str], max_requeues: int) -> Re
         done = int(environ.get("SLURM_RESTART_COUNT") or 0)
     except ValueError:
         done = 0
+    ending = [signal.Signals(s).name for s in received if s in ENDING_SIGNALS]
+    if ending:
+        return RequeuePlan(
+            None,
+            f"preempted; kmp launch itself got {ending[0]} (scancel, or the time limit "
+            f"reached): job {job} is ending and is not requeued (resume it with sbatch, "
+            "from its checkpoint)",
+        )
     if max_requeues <= 0:
         return RequeuePlan(None, f"preempted; not requeuing job {job} (--max-requeues 0)")
     if done >= max_requeues:
@@ -117,9 +146,10 @@ def configure_requeue(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_REQUEUES,
         metavar="N",
-        help="inside a SLURM batch job, requeue a job whose ranks stopped on a signal after "
-        f"their checkpoint (exit status 75) at most N times (default {DEFAULT_MAX_REQUEUES}; "
-        "0: never)",
+        help="inside a SLURM batch job, requeue a job whose ranks stopped on a time limit's "
+        "warning (--signal) after their checkpoint (exit status 75) at most N times "
+        f"(default {DEFAULT_MAX_REQUEUES}, SLURM's MaxBatchRequeue; 0: never). A job "
+        "cancelled with SIGTERM (scancel) is never requeued",
     )
 
 
@@ -129,10 +159,11 @@ def check_requeue_args(args: argparse.Namespace) -> None:
         raise LaunchError(f"--max-requeues {args.max_requeues}: give 0 (never) or more.")
 
 
-def after_job(code: int, args: argparse.Namespace) -> int:
+def after_job(code: int, args: argparse.Namespace, received: Iterable[int] = ()) -> int:
     """Requeue the job when :func:`plan_requeue` says so; return ``code`` unchanged."""
-    plan = plan_requeue(code, os.environ, args.max_requeues)
+    plan = plan_requeue(code, os.environ, args.max_requeues, received)
     if plan is not None:
         print(f"kmp launch: {plan.note}", file=sys.stderr, flush=True)
-        requeue(plan)
+        if plan.job_id is not None:
+            requeue(plan)
     return code

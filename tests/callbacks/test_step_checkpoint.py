@@ -268,6 +268,30 @@ def test_the_same_signal_twice_does_what_it_did_without_kmp():
         signal.signal(signal.SIGUSR1, previous)
 
 
+@pytest.mark.parametrize("checkpointed, status", [(True, PREEMPTED_EXIT_CODE), (False, None)])
+def test_a_stop_signal_after_the_checkpoint_still_exits_preempted(checkpointed, status):
+    """srun --kill-on-bad-exit (and Horovod's launcher) stop every rank once the first one
+    leaves with 75: a rank still leaving must not turn into "killed by SIGTERM" (143),
+    which a launcher would not requeue. Without a checkpoint, SIGTERM does what it did."""
+    from kmp.callbacks.preemption import SignalCatcher
+
+    pid = os.fork()
+    if pid == 0:  # the child: catch, "checkpoint", put the handlers back, get SIGTERM
+        try:
+            catcher = SignalCatcher(("SIGTERM",))
+            catcher.install()
+            os.kill(os.getpid(), signal.SIGTERM)
+            catcher.remove(checkpointed=checkpointed)
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            os._exit(3)  # only if the second SIGTERM did nothing
+    _, wait_status = os.waitpid(pid, 0)
+    if status is None:
+        assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGTERM
+    else:
+        assert os.WIFEXITED(wait_status) and os.WEXITSTATUS(wait_status) == status
+
+
 def test_a_fit_without_atomic_checkpoint_is_told_its_position_is_not_resumed(tmp_path):
     model = build("float32")
     fit(model, [kmp.callbacks.AtomicCheckpoint(tmp_path, save_every_steps=4)])

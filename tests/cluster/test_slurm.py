@@ -7,7 +7,9 @@ from the allocation and ``srun`` starts the ranks. Checked: the ranks run on the
 allocation's nodes and end bit-identical, on Horovod (Gloo and MPI through PMIx)
 and on the JAX engine, with the accuracy of the same job on one node; a job whose
 node fails is requeued by SLURM and resumes from its last checkpoint to the same
-accuracy as the run that never failed; ``scancel`` leaves no rank behind. The four
+accuracy as the run that never failed; a job warned of its time limit checkpoints
+inside its epoch, requeues itself and resumes there; ``scancel`` leaves no rank
+behind and the job cancelled. The four
 training jobs run two at a time (class Jobs), and each test reads only the jobs it
 checks.
 """
@@ -199,23 +201,45 @@ def _is_rank(pid: int) -> bool:
     return any(a.endswith(b"train.py") for a in argv[1:2])
 
 
-def test_scancel_ends_every_rank(slurm, env, tmp_path):
+def _ranks(marker: str) -> list[int]:
+    return [p for p in pids_with_env(marker) if _is_rank(p)]
+
+
+def _until(ready, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
+        time.sleep(0.5)
+
+
+def test_a_warned_job_requeues_itself_and_resumes_inside_its_epoch_and_scancel_ends_it(
+    slurm, env, tmp_path
+):
+    """A time limit's warning (``--signal=USR1@T`` sends SIGUSR1 to the ranks, as ``scancel
+    --signal=USR1`` does here, when we choose) makes every rank checkpoint at one agreed
+    step and exit 75; kmp launch requeues the job (on by default) and the second run goes
+    on inside the epoch from that step's checkpoint. ``scancel`` then ends every rank, and
+    the job stays cancelled: its SIGTERM reaches kmp launch too, which then never requeues."""
     marker = f"KMP_SLURM_TEST_JOB=cancel-{tmp_path.name}"
     job_env = {**env, marker.split("=")[0]: marker.split("=")[1]}
-    args = [*train(tmp_path, "cancel"), "--epochs", "500"]
-    job = submit(tmp_path, "cancel", ["--nodes=2", "--ntasks-per-node=1"], args, job_env)
-    ckpt = tmp_path / "cancel-ckpt"
-    deadline = time.monotonic() + 180
-    while not (ckpt.is_dir() and any(ckpt.iterdir())) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    ranks = [p for p in pids_with_env(marker) if _is_rank(p)]
-    assert len(ranks) == 2, "one rank on each node should run"
+    args = [*train(tmp_path, "cancel"), "--epochs", "500", "--checkpoint-every-steps", "4"]
+    sbatch = ["--nodes=2", "--ntasks-per-node=1", "--requeue", "--open-mode=append"]
+    job = submit(tmp_path, "cancel", sbatch, args, job_env)
+    ckpt, out = tmp_path / "cancel-ckpt", tmp_path / "cancel.out"
+    _until(lambda: ckpt.is_dir() and any(ckpt.glob("*-step-*")), 180, "a step checkpoint")
+    assert len(_ranks(marker)) == 2, "one rank on each node should run"
+    on_h1("scancel", "--signal=USR1", job)  # to every step's tasks, not the batch shell
+    wait(job, until=lambda i: int(i.get("Restarts", 0)) >= 1, timeout=120)
+    _until(lambda: "resumed from" in out.read_text(errors="replace"), 120, "a resumed run")
+    log = out.read_text(errors="replace")
+    assert "requeuing job" in log, log[-4000:]
+    resumed = next(line for line in log.splitlines() if "resumed from" in line)
+    assert "-step-" in resumed, resumed  # inside an epoch, not at its start
+    _until(lambda: len(_ranks(marker)) == 2, 60, "the second run's ranks")
     on_h1("scancel", job)
-    deadline = time.monotonic() + 30
-    while pids_with_env(marker) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert pids_with_env(marker) == [], "scancel left processes of the job running"
-    assert wait(job, timeout=30)["JobState"] == "CANCELLED"
+    _until(lambda: not pids_with_env(marker), 30, "scancel left processes of the job running")
+    info = wait(job, timeout=30)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "1", info
 
 
 def test_a_failed_node_requeues_the_job_which_resumes_exactly(slurm, env, jobs, tmp_path):

@@ -36,6 +36,31 @@ def test_only_a_preempted_job_in_slurm_is_requeued_and_only_so_often():
     assert off.job_id is None and "--max-requeues 0" in off.note
 
 
+def test_a_job_whose_launcher_got_sigterm_is_ending_and_never_requeued():
+    """scancel (and a limit reached unwarned) signal the batch shell, kmp launch, with SIGTERM:
+    the ranks still exit 75 after their checkpoint, but a cancelled job must stay cancelled.
+    A time limit's warning reaches kmp launch as SIGUSR1 (B:USR1) or not at all."""
+    slurm = {"SLURM_JOB_ID": "42"}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        plan = rq.plan_requeue(75, slurm, 5, [signal.SIGUSR1, sig])
+        assert plan.job_id is None and sig.name in plan.note and "not requeued" in plan.note
+    assert rq.plan_requeue(75, slurm, 5, [signal.SIGUSR1]).job_id == "42"  # B:USR1@T
+    assert rq.plan_requeue(75, slurm, 5, []).job_id == "42"  # USR1@T: the ranks only
+    assert rq.plan_requeue(1, slurm, 5, [signal.SIGTERM]) is None  # not a preemption
+    assert rq.DEFAULT_MAX_REQUEUES == 5  # on by default, bounded as SLURM's MaxBatchRequeue
+
+
+def test_the_launcher_requeues_on_a_warning_and_not_after_scancels_sigterm(monkeypatch):
+    calls = []
+    monkeypatch.setattr(rq, "requeue", calls.append)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    args = launch_cmd.argparse.Namespace(max_requeues=rq.DEFAULT_MAX_REQUEUES)
+    assert rq.after_job(75, args, [signal.SIGTERM]) == 75 and calls == []
+    assert rq.after_job(75, args, [signal.SIGUSR1]) == 75
+    assert [plan.job_id for plan in calls] == ["7"]
+
+
 def test_requeue_runs_scontrol_and_reports_a_refusal(monkeypatch, capsys, tmp_path):
     fake = tmp_path / "scontrol"
     fake.write_text('#!/bin/sh\necho "$@" >> ' + str(tmp_path / "calls") + "\nexit $RC\n")
@@ -79,9 +104,11 @@ def test_a_launcher_passes_each_stop_signal_on_and_returns_the_childs_status(sig
     previous = signal.getsignal(sig)
     timer = threading.Timer(2.0, os.kill, (os.getpid(), sig))  # as a scheduler signals it
     timer.start()
+    received: list[int] = []
     try:
-        code = run_forwarding_signals([sys.executable, "-c", child], grace_s=20)
+        code = run_forwarding_signals([sys.executable, "-c", child], grace_s=20, received=received)
     finally:
         timer.cancel()
         signal.signal(sig, previous)
     assert code == 75
+    assert received == [sig]  # what the launcher's requeue decision reads
