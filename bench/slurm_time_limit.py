@@ -1,6 +1,6 @@
 """A SLURM job longer than its time limit: does it finish, across requeues, exactly?
 
-    sudo .venv/bin/python bench/slurm_time_limit.py [--epochs 14] [--time-limit 1]
+    sudo .venv/bin/python bench/slurm_time_limit.py [--epochs 70] [--time-limit 1]
         [--signal-before 30] [--checkpoint-every-steps 10] [--out bench/results]
 
 On a one-machine SLURM cluster (``kmp cluster up --slurm``: network-namespace hosts,
@@ -38,7 +38,7 @@ FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--epochs", type=int, default=14, help="digits CNN epochs (the work)")
+    p.add_argument("--epochs", type=int, default=70, help="digits CNN epochs (the work)")
     p.add_argument("--time-limit", type=int, default=1, help="the job's limit, minutes")
     p.add_argument("--signal-before", type=int, default=30, help="USR1 this many s before")
     p.add_argument("--checkpoint-every-steps", type=int, default=10)
