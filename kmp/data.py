@@ -264,6 +264,7 @@ def load(
     cache: bool = False,
     with_ids: bool = False,
     download: bool = False,
+    skip_batches: int = 0,
 ) -> Any:
     """Return this rank's ``tf.data.Dataset`` of ``(images, labels)`` batches.
 
@@ -306,6 +307,14 @@ def load(
             first epoch; for data sets that fit in memory.
         with_ids: Also yield each example's ``tfds_id`` string (for checks).
         download: Let TFDS download and prepare a missing data set.
+        skip_batches: For a resume inside an epoch (a step checkpoint's
+            ``latest_checkpoint(...).step``, with ``epoch=...epoch``): the first
+            epoch's first ``skip_batches`` batches are empty placeholders (0
+            examples), their examples read and shuffled as stored but never
+            decoded; the epoch keeps its number of batches, so Keras counts it as
+            before, and :class:`~kmp.callbacks.AtomicCheckpoint` drops them. Needs
+            ``batch_size`` and a number of ``epochs``. Where images have no fixed
+            size (no ``image_size``), the batches are decoded as usual instead.
 
     Returns:
         A ``tf.data.Dataset`` of ``(images, labels)`` (or ``(images, labels, ids)``).
@@ -341,6 +350,13 @@ def load(
                 f"{size} rank(s) gets from {split!r} of {name!r}; use at most that."
             )
         steps = steps_per_epoch
+    check_int("skip_batches", skip_batches, minimum=0)
+    if skip_batches and (batch_size is None or epochs is None or skip_batches >= steps):
+        raise ValueError(
+            f"skip_batches={skip_batches} needs a batch_size, a number of epochs (not None: "
+            f"the first epoch is then the one resumed) and fewer than the epoch's {steps} "
+            "batches; pass the checkpoint's step (kmp.callbacks.latest_checkpoint(...).step)."
+        )
     builder = open_builder(name, data_dir, download=download)
     image_key, label_key = _image_label_keys(builder, name)
     image_feature = builder.info.features[image_key]
@@ -370,25 +386,38 @@ def load(
     if cache:  # decode once, keep the decoded shard in memory, shuffle decoded examples
         base = base.map(decode, num_parallel_calls=tf.data.AUTOTUNE).cache()
 
-    def one_epoch(epoch_seed: int, reshuffle: bool = False) -> Any:
+    def one_epoch(epoch_seed: int, reshuffle: bool = False, skip: int = 0) -> Any:
         ds = base
         if shuffle:
             ds = ds.shuffle(buffer, seed=epoch_seed, reshuffle_each_iteration=reshuffle)
+        ds = ds.skip(skip * batch_size) if skip else ds  # read in order, never decoded
         if not cache:  # shuffled while encoded (a cheap buffer), decoded after
             ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE)
         if batch_size is not None:  # convert whole batches: fewer, larger ops
-            ds = ds.batch(batch_size, drop_remainder=True).take(steps)
-        return ds.map(convert, num_parallel_calls=tf.data.AUTOTUNE)
+            ds = ds.batch(batch_size, drop_remainder=True).take(steps - skip)
+        ds = ds.map(convert, num_parallel_calls=tf.data.AUTOTUNE)
+        return _placeholders(ds.element_spec, skip).concatenate(ds) if skip else ds
 
     # Seeds are Python ints: TensorFlow's seed handling breaks on tensor seeds when the
     # global seed is 0 (keras.utils.set_random_seed(0)), so epochs are chained in Python.
     if epochs is None:
         ds = one_epoch(epoch_seed(seed, epoch), reshuffle=True).repeat()
     else:
-        ds = one_epoch(epoch_seed(seed, epoch))
+        fixed = all(t.shape[1:].is_fully_defined() for t in one_epoch(0).element_spec)
+        ds = one_epoch(epoch_seed(seed, epoch), skip=skip_batches if fixed else 0)
         for e in range(epoch + 1, epoch + epochs):
             ds = ds.concatenate(one_epoch(epoch_seed(seed, e)))
     if epochs is not None:
         per_epoch = steps if batch_size is not None else shard_len
         ds = ds.apply(tf.data.experimental.assert_cardinality(per_epoch * epochs))
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def _placeholders(element_spec: Any, count: int) -> Any:
+    """``count`` empty batches (0 examples) of ``element_spec``'s dtypes and example shapes."""
+    import tensorflow as tf
+
+    empty = tuple(
+        tf.reshape(tf.constant([], dtype=t.dtype), [0, *t.shape[1:]]) for t in element_spec
+    )
+    return tf.data.Dataset.from_tensors(empty).repeat(count)

@@ -125,6 +125,31 @@ def test_each_epoch_has_its_own_reproducible_order(data_dir):
     assert order(epoch=1, epochs=2) == stream[len(e0) :]
 
 
+@pytest.mark.parametrize("cache", [False, True])
+def test_skipped_batches_of_a_resumed_epoch_are_empty_and_the_rest_unchanged(data_dir, cache):
+    """A resume inside an epoch: the first batches are placeholders with no examples (never
+    decoded), the epoch keeps its number of batches, and every later batch is the one the
+    uninterrupted stream has there."""
+    args = dict(batch_size=16, rank=0, size=2, data_dir=data_dir, with_ids=True, cache=cache)
+    whole = list(data.load("kmp_digits", "train", epoch=1, epochs=2, **args))
+    resumed = list(data.load("kmp_digits", "train", epoch=1, epochs=2, skip_batches=3, **args))
+    assert len(resumed) == len(whole)
+    assert [int(b[0].shape[0]) for b in resumed[:4]] == [0, 0, 0, 16]
+    assert all(b[1].shape == (0,) and b[2].shape == (0,) for b in resumed[:3])
+    for got, want in zip(resumed[3:], whole[3:], strict=True):
+        assert np.array_equal(got[2].numpy(), want[2].numpy())  # the same examples
+        assert np.array_equal(got[0].numpy(), want[0].numpy())  # decoded the same way
+
+
+def test_skip_batches_needs_a_batched_finite_stream_shorter_than_the_epoch(data_dir):
+    args = dict(rank=0, size=1, data_dir=data_dir)
+    for kwargs in ({"batch_size": None}, {"batch_size": 8, "epochs": None}):
+        with pytest.raises(ValueError, match="skip_batches=2 needs a batch_size, a number"):
+            data.load("kmp_digits", "train", skip_batches=2, **{**args, **kwargs})
+    with pytest.raises(ValueError, match="fewer than the epoch's 4 batches"):
+        data.load("kmp_digits", "train", batch_size=8, steps_per_epoch=4, skip_batches=4, **args)
+
+
 def test_cache_and_global_seed_zero_keep_the_orders(data_dir):
     def order(**kw):
         ds = data.load(

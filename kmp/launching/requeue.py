@@ -35,6 +35,7 @@ from kmp.launching.hosts import LaunchError
 __all__ = [
     "DEFAULT_MAX_REQUEUES",
     "ENDING_SIGNALS",
+    "WARNED_EXIT_CODE",
     "RequeuePlan",
     "after_job",
     "check_requeue_args",
@@ -49,6 +50,10 @@ __all__ = [
 DEFAULT_MAX_REQUEUES = 5
 # Signals that mean "this job is ending" when kmp launch itself receives them.
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# srun's status when the ranks died of the warning itself (128 + the signal): it came
+# before they caught signals (SLURM's timer may send it up to a minute early, during the
+# ranks' start-up), so nothing since the last checkpoint is lost either: requeued too.
+WARNED_EXIT_CODE = 128 + signal.SIGUSR1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +87,11 @@ def plan_requeue(
             is ending and is not requeued.
 
     Returns:
-        None when the job was not preempted (any other status) or runs outside
-        SLURM; otherwise the plan, with a note.
+        None when the job was not preempted (a status other than 75, or
+        :data:`WARNED_EXIT_CODE`) or runs outside SLURM; otherwise the plan, with
+        a note.
     """
-    if code != PREEMPTED_EXIT_CODE:
+    if code not in (PREEMPTED_EXIT_CODE, WARNED_EXIT_CODE):
         return None
     job = environ.get("SLURM_JOB_ID")
     if not job:
@@ -110,10 +116,14 @@ def plan_requeue(
             f"preempted; job {job} ran {done + 1} times, --max-requeues {max_requeues} "
             "reached: not requeued (resume it with sbatch, from its checkpoint)",
         )
+    how = (
+        "preempted after a checkpoint"
+        if code == PREEMPTED_EXIT_CODE
+        else "the ranks died of SIGUSR1, a time limit's warning that came before they caught "
+        "signals (during start-up): the last checkpoint stands"
+    )
     return RequeuePlan(
-        job,
-        f"preempted after a checkpoint; requeuing job {job} (requeue {done + 1} of at most "
-        f"{max_requeues})",
+        job, f"{how}; requeuing job {job} (requeue {done + 1} of at most {max_requeues})"
     )
 
 

@@ -167,6 +167,44 @@ def test_a_signal_mid_epoch_stops_after_that_step_with_one_checkpoint(tmp_path):
     assert largest_difference(state_of(resumed), state_of(straight)) == 0.0
 
 
+def test_kmp_data_resumes_inside_the_epoch_without_decoding_the_done_batches(tmp_path):
+    """kmp.data.load(skip_batches=ckpt.step) gives the resumed epoch's done batches as empty
+    placeholders, which AtomicCheckpoint drops: the run ends as the one that never stopped."""
+    from kmp import datasets
+
+    datasets.prepare("kmp_digits", tmp_path / "data")
+
+    def digits(epoch=0, skip=0):
+        return kmp.data.load("kmp_digits", "train", batch_size=64, data_dir=tmp_path / "data",
+                             rank=0, size=1, seed=3, epoch=epoch, epochs=2 - epoch,
+                             steps_per_epoch=STEPS, skip_batches=skip)  # fmt: skip
+
+    def digits_model():
+        keras.utils.set_random_seed(1)
+        kmp.enable("float32")
+        model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
+                                  keras.layers.Dropout(0.2), keras.layers.Dense(10)])  # fmt: skip
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(optimizer=kmp.wrap_optimizer(keras.optimizers.Adam(1e-2)), loss=loss)
+        return model
+
+    straight = digits_model()
+    run = {"epochs": 2, "steps_per_epoch": STEPS, "verbose": 0}
+    straight.fit(digits(), **run)
+    stopped = digits_model()
+    with pytest.raises(Preempted):
+        stop = [SignalAt(1, 3), kmp.callbacks.AtomicCheckpoint(tmp_path / "c")]
+        stopped.fit(digits(), callbacks=stop, **run)
+    found = kmp.callbacks.latest_checkpoint(tmp_path / "c")
+    assert (found.epoch, found.step) == (1, 4)
+    resumed = kmp.load_model(found.path)
+    again = kmp.callbacks.AtomicCheckpoint(tmp_path / "c")
+    resumed.fit(digits(found.epoch, found.step), initial_epoch=found.epoch, callbacks=[again],
+                **run)  # fmt: skip
+    assert again.skipped_steps == 4 and int(resumed.optimizer.iterations) == 2 * STEPS
+    assert largest_difference(state_of(resumed), state_of(straight)) == 0.0
+
+
 def test_signals_off_leave_the_handlers_alone(tmp_path):
     model = build("float32")
     before = signal.getsignal(signal.SIGUSR1)

@@ -47,6 +47,11 @@ def test_a_job_whose_launcher_got_sigterm_is_ending_and_never_requeued():
     assert rq.plan_requeue(75, slurm, 5, [signal.SIGUSR1]).job_id == "42"  # B:USR1@T
     assert rq.plan_requeue(75, slurm, 5, []).job_id == "42"  # USR1@T: the ranks only
     assert rq.plan_requeue(1, slurm, 5, [signal.SIGTERM]) is None  # not a preemption
+    # The ranks died of the warning itself, before fit caught it: the last checkpoint
+    # stands, so the job is requeued too; killed by SIGTERM (143) it is not.
+    early = rq.plan_requeue(128 + signal.SIGUSR1, slurm, 5, [])
+    assert early.job_id == "42" and "died of SIGUSR1" in early.note
+    assert rq.plan_requeue(128 + signal.SIGTERM, slurm, 5, []) is None
     assert rq.DEFAULT_MAX_REQUEUES == 5  # on by default, bounded as SLURM's MaxBatchRequeue
 
 
