@@ -2,12 +2,13 @@
 
 Or, with ``--modes signal``, a run that a signal stops.
 
-Started with ``kmp launch -np N``. ``--modes none,sync,async`` trains the same model in
-one process, mode after mode (each ``--steps`` steps in one epoch, a checkpoint every
-``--every`` steps for sync and async), and rank 0 writes every step's wall time. The
-first ``--every`` steps of each mode are left out (warm-up, and async's first checkpoint,
-written at once to make the copy it writes from later). ``--modes signal`` trains until
-the launcher passes a signal on; rank 0 writes when the checkpoint was on disk (wall clock).
+Started with ``kmp launch -np N``. ``--modes none,signals,sync,async`` trains the same
+model in one process, mode after mode (each ``--steps`` steps in one epoch, a checkpoint
+every ``--every`` steps for sync and async; signals: AtomicCheckpoint catching signals,
+no step checkpoints), and rank 0 writes every step's wall time. The first ``--every``
+steps of each mode are left out (warm-up, and async's first checkpoint, written at once
+to make the copy it writes from later). ``--modes signal`` trains until the launcher
+passes a signal on; rank 0 writes when the checkpoint was on disk (wall clock).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def train(mode: str, args: argparse.Namespace, folder: Path) -> dict:
     if mode != "none":
         ckpt = kmp.callbacks.AtomicCheckpoint(
             folder / mode,
-            save_every_steps=args.every,
+            save_every_steps=None if mode == "signals" else args.every,
             async_write=mode in ("async", "signal"),
             keep=2,
             verbose=1 if mode == "signal" else 0,
@@ -94,7 +95,7 @@ def train(mode: str, args: argparse.Namespace, folder: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("folder", type=Path)
-    p.add_argument("--modes", default="none,sync,async")
+    p.add_argument("--modes", default="none,signals,sync,async")
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--batch", type=int, default=16)

@@ -21,6 +21,7 @@ __all__ = [
     "MASTER_WEIGHTS",
     "MIXED_POLICIES",
     "PREEMPTED_EXIT_CODE",
+    "PREEMPTED_MARKER_ENV",
     "POLICY_NAMES",
     "PURE_POLICIES",
     "REDUCE_OPS",
@@ -185,3 +186,7 @@ def normalize_reduce_op(op: Any) -> str:
 # (kmp.callbacks.Preempted): EX_TEMPFAIL of sysexits.h, "run me again". `kmp launch`
 # passes it on, and inside a SLURM batch job requeues the job on it.
 PREEMPTED_EXIT_CODE = 75
+# A file kmp launch names for the ranks: the chief writes its preemption checkpoint's path
+# there. srun stops the other ranks when the first leaves with 75 (--kill-on-bad-exit), so
+# its own status can read "killed"; the file still says "preempted".
+PREEMPTED_MARKER_ENV = "KMP_PREEMPTED_MARKER"

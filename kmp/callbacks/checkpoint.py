@@ -31,7 +31,13 @@ from kmp.callbacks.checkpoint_files import (
     template_regex,
 )
 from kmp.callbacks.checkpoint_schedule import InEpochSchedule, monitor_mode
-from kmp.callbacks.preemption import DEFAULT_SIGNALS, Preempted, SignalCatcher, agree
+from kmp.callbacks.preemption import (
+    DEFAULT_SIGNALS,
+    Preempted,
+    SignalCatcher,
+    agree,
+    mark_preempted,
+)
 from kmp.callbacks.resume import StepSkipper, plan_skip
 from kmp.saving import load_model, save_model
 from kmp.training_state import LOADED_STATE, capture, gather_seed_states, loaded_state
@@ -328,6 +334,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
             self.signal_seconds = time.monotonic() - self._catcher.caught_at
         self._release(checkpointed=True)  # a later SIGTERM (a peer left first): still 75
         if is_chief():
+            mark_preempted(path)
             seconds = ""
             if self.signal_seconds is not None:
                 seconds = f" {self.signal_seconds:.2f} s after it"

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kmp import distributed
-from kmp._names import PREEMPTED_EXIT_CODE
+from kmp._names import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER_ENV
 
 __all__ = [
     "DEFAULT_SIGNALS",
@@ -36,6 +36,7 @@ __all__ = [
     "Preempted",
     "SignalCatcher",
     "agree",
+    "mark_preempted",
     "normalize_signals",
 ]
 
@@ -231,3 +232,17 @@ def agree(flags: Sequence[float]) -> np.ndarray:
         return local
     reduced = distributed.allreduce(local, op="max")
     return np.asarray(getattr(reduced, "numpy", lambda: reduced)(), dtype=np.float32)
+
+
+def mark_preempted(path: str | None) -> None:
+    """Write the preemption checkpoint's path where ``kmp launch`` looks for it (if it asked).
+
+    ``$KMP_PREEMPTED_MARKER`` names the file; only the chief writes it, and only when its
+    folder exists on this host (the launcher's). A failure to write is ignored: the exit
+    status still says 75.
+    """
+    marker = os.environ.get(PREEMPTED_MARKER_ENV)
+    if not marker or not os.path.isdir(os.path.dirname(marker) or "."):
+        return
+    with contextlib.suppress(OSError), open(marker, "w") as f:
+        f.write(f"{path or ''}\n")

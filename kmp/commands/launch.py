@@ -41,7 +41,12 @@ from kmp.launching.elastic import configure_elastic, options_from_args
 from kmp.launching.engine_env import configure_engine
 from kmp.launching.hosts import LaunchError, parse_hosts, read_hostfile
 from kmp.launching.job import build_command, execute, format_command
-from kmp.launching.requeue import after_job, check_requeue_args, configure_requeue
+from kmp.launching.requeue import (
+    after_job,
+    check_requeue_args,
+    configure_requeue,
+    preemption_marker,
+)
 from kmp.launching.slurm import allocation_hosts
 
 __all__ = ["configure", "main", "run"]
@@ -171,8 +176,9 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
         return 0
     received: list[int] = []  # the signals kmp launch itself gets while the job runs
-    code = execute(plan, check_hosts=not args.no_preflight, received=received)
-    return after_job(code, args, received)
+    with preemption_marker() as marker:
+        code = execute(plan, check_hosts=not args.no_preflight, received=received)
+        return after_job(code, args, received, marker)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,15 +21,18 @@ ranks (``--signal=USR1@T``) or the batch shell (``--signal=B:USR1@T``, which
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 
-from kmp._names import PREEMPTED_EXIT_CODE
+from kmp._names import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER_ENV
 from kmp.launching.hosts import LaunchError
 
 __all__ = [
@@ -39,8 +42,10 @@ __all__ = [
     "RequeuePlan",
     "after_job",
     "check_requeue_args",
+    "job_status",
     "configure_requeue",
     "plan_requeue",
+    "preemption_marker",
     "requeue",
 ]
 
@@ -169,8 +174,50 @@ def check_requeue_args(args: argparse.Namespace) -> None:
         raise LaunchError(f"--max-requeues {args.max_requeues}: give 0 (never) or more.")
 
 
-def after_job(code: int, args: argparse.Namespace, received: Iterable[int] = ()) -> int:
-    """Requeue the job when :func:`plan_requeue` says so; return ``code`` unchanged."""
+@contextlib.contextmanager
+def preemption_marker() -> Iterator[Path]:
+    """Name a file for the chief's preemption note (``$KMP_PREEMPTED_MARKER``) while a job runs.
+
+    The ranks inherit the variable; the chief writes the file after its checkpoint
+    (:func:`kmp.callbacks.preemption.mark_preempted`). Removed afterwards.
+    """
+    folder = Path(tempfile.mkdtemp(prefix="kmp-launch-"))
+    previous = os.environ.get(PREEMPTED_MARKER_ENV)
+    os.environ[PREEMPTED_MARKER_ENV] = str(folder / "preempted")
+    try:
+        yield folder / "preempted"
+    finally:
+        if previous is None:
+            os.environ.pop(PREEMPTED_MARKER_ENV, None)
+        else:
+            os.environ[PREEMPTED_MARKER_ENV] = previous
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def job_status(code: int, marker: Path | None) -> int:
+    """The job's status: 75 when the chief wrote its preemption note and ``code`` is a failure.
+
+    ``srun --kill-on-bad-exit`` (and Horovod's launcher) stop the other ranks as soon as
+    the first leaves with 75; one still exiting is then counted as killed (137, 143).
+    A 0 stays 0: ranks that caught ``Preempted`` and ended cleanly chose to.
+    """
+    if code not in (0, PREEMPTED_EXIT_CODE) and marker is not None and marker.exists():
+        print(
+            f"kmp launch: the ranks stopped after a preemption checkpoint "
+            f"({marker.read_text().strip() or 'written'}); status {PREEMPTED_EXIT_CODE} "
+            f"(the launcher reported {code}: it stopped the last ranks as the first left)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return PREEMPTED_EXIT_CODE
+    return code
+
+
+def after_job(
+    code: int, args: argparse.Namespace, received: Iterable[int] = (), marker: Path | None = None
+) -> int:
+    """Requeue the job when :func:`plan_requeue` says so; return its status (:func:`job_status`)."""
+    code = job_status(code, marker)
     plan = plan_requeue(code, os.environ, args.max_requeues, received)
     if plan is not None:
         print(f"kmp launch: {plan.note}", file=sys.stderr, flush=True)

@@ -66,6 +66,25 @@ def test_the_launcher_requeues_on_a_warning_and_not_after_scancels_sigterm(monke
     assert [plan.job_id for plan in calls] == ["7"]
 
 
+def test_the_chiefs_preemption_note_makes_the_status_75_whatever_srun_reported(capsys):
+    """srun --kill-on-bad-exit stops the ranks still exiting once the first leaves with 75:
+    srun then reports 137 or 143. The chief's note (written after its checkpoint, in the
+    file kmp launch names) says what happened."""
+    from kmp._names import PREEMPTED_MARKER_ENV
+    from kmp.callbacks.preemption import mark_preempted
+
+    with rq.preemption_marker() as marker:
+        assert os.environ[PREEMPTED_MARKER_ENV] == str(marker) and not marker.exists()
+        assert rq.job_status(137, marker) == 137  # no note: a failure stays a failure
+        mark_preempted("/ckpt/ckpt-0003-step-000007.keras")
+        assert rq.job_status(137, marker) == rq.job_status(143, marker) == 75
+        assert "ckpt-0003-step-000007.keras" in capsys.readouterr().err
+        assert rq.job_status(75, marker) == 75
+        assert rq.job_status(0, marker) == 0  # the ranks caught Preempted and ended cleanly
+    assert PREEMPTED_MARKER_ENV not in os.environ and not marker.parent.exists()
+    mark_preempted("/nowhere")  # no launcher asked: nothing written, no error
+
+
 def test_requeue_runs_scontrol_and_reports_a_refusal(monkeypatch, capsys, tmp_path):
     fake = tmp_path / "scontrol"
     fake.write_text('#!/bin/sh\necho "$@" >> ' + str(tmp_path / "calls") + "\nexit $RC\n")
