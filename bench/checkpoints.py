@@ -119,10 +119,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--quick", action="store_true", help="30 steps, a checkpoint every 10")
+    p.add_argument("--quick", action="store_true", help="16 steps, a checkpoint every 4")
     args = p.parse_args()
     if args.quick:
-        args.steps, args.every = 30, 10
+        args.steps, args.every = 16, 4
     folder = Path(tempfile.mkdtemp(prefix="kmp-bench-ckpt-"))
     (folder / "cost").mkdir()
     (folder / "signal").mkdir()

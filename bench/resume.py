@@ -10,6 +10,7 @@ optimizer's class and step count right after ``kmp.load_model``.
     python bench/resume.py                        # the whole matrix, stopped at epoch 2's batch 1
     python bench/resume.py --quick                # one case per model
     python bench/resume.py --quick --stops 0:1 1:0 1:2   # several stop steps (epoch:batch)
+    python bench/resume.py --quick --one-job ...  # every model's case in one job per engine
 
 Writes bench/results/resume.{json,md}.
 """
@@ -58,21 +59,25 @@ def main() -> None:
     parser.add_argument(
         "--stops", nargs="+", default=["1:0"], help="where rank 1 is signalled: epoch:batch"
     )
+    parser.add_argument("--one-job", action="store_true", help="every model in one job")
     args = parser.parse_args()
     rows, raw = [], {}
+    policies = POLICIES[1:2] if args.quick else POLICIES
+    # One job per model, or (--one-job) every model's cases in one job: fewer start-ups.
+    groups = [list(MODELS)] if args.one_job else [[m] for m in MODELS]
     for stop in args.stops:
         for engine in ("horovod", "jax"):
-            for model in MODELS:
-                policies = POLICIES[1:2] if args.quick else POLICIES
-                cases = [f"{model}:{p}" for p in policies]
+            for models in groups:
+                cases = [f"{model}:{p}" for model in models for p in policies]
                 started = time.time()
                 try:
                     ranks = run_job(engine, cases, stop)
                 except RuntimeError as exc:
-                    raw[f"{stop}/{engine}/{model}"] = {"error": str(exc)[-2000:]}
-                    rows.append([stop, model, "(all)", engine, "failed: see resume.json"])
+                    raw[f"{stop}/{engine}/{'+'.join(models)}"] = {"error": str(exc)[-2000:]}
+                    rows.append([stop, "+".join(models), "(all)", engine, "failed: see json"])
                     continue
                 for case in cases:
+                    model = case.split(":", 1)[0]
                     got = [r["cases"][case] for r in ranks]
                     raw[f"{stop}/{engine}/{case}"] = got
                     rows.append(
@@ -88,7 +93,8 @@ def main() -> None:
                             got[0]["iterations"],
                         ]
                     )
-                print(f"{stop} {engine} {model}: {time.time() - started:.0f} s", flush=True)
+                took = time.time() - started
+                print(f"{stop} {engine} {'+'.join(models)}: {took:.0f} s", flush=True)
     headers = [
         "signalled at (epoch:batch)",
         "model",

@@ -10,7 +10,7 @@ the other: the reference, with no time limit, and the same job with
 the limit, they agree on a step, write one checkpoint and exit 75; ``kmp launch``
 requeues the job (``scontrol requeue``) and the next run resumes inside the epoch.
 
-Written: ``slurm_time_limit.json`` and ``.md`` in ``--out``: every run's start, its
+Written: ``slurm_time_limit_<LIMIT>min.json`` and ``.md`` in ``--out``: every run's start, its
 warning, the checkpoint it wrote and how long after the warning, the requeues, and
 the largest difference between the two jobs' final weights and optimizer variables
 (0 means the interrupted job ended exactly where the one that never stopped did).
@@ -141,7 +141,8 @@ def largest_difference(a: str, b: str) -> dict[str, float]:
 
 def write(args: argparse.Namespace, result: dict) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "slurm_time_limit.json").write_text(json.dumps(result, indent=2))
+    name = f"slurm_time_limit_{args.time_limit}min"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
     lines = [
         "# A SLURM job longer than its time limit (bench/slurm_time_limit.py)",
         "",
@@ -167,7 +168,7 @@ def write(args: argparse.Namespace, result: dict) -> None:
             f"{r.get('signal', '-')} | {r.get('checkpoint', '-')} | "
             f"{r.get('signal_to_disk_s', '-')} | {'yes' if r.get('requeued') else 'no'} |"
         )
-    (args.out / "slurm_time_limit.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -326,9 +326,13 @@ def test_rank_weights_round_trip_and_are_kept_out_of_the_initial_broadcast():
         rank_weights.restore(other, saved, rank=0)
 
 
-def test_a_launcher_told_to_stop_mid_epoch_exits_75_and_the_rerun_finishes_exactly(tmp_path):
-    """As a scheduler does it: SIGUSR1 to `kmp launch` (SLURM's --signal, here through
-    Horovod's launcher, which would die of it), then the same command again."""
+@pytest.mark.parametrize("engine", ["horovod", "jax"])
+def test_a_launcher_told_to_stop_mid_epoch_exits_75_and_the_rerun_finishes_exactly(
+    engine, tmp_path
+):
+    """As a scheduler does it: SIGUSR1 to `kmp launch` (SLURM's --signal; through Horovod's
+    launcher, which would die of it, or kmp's own for the JAX engine), then the same
+    command again."""
     import os
     import signal
     import subprocess
@@ -338,14 +342,14 @@ def test_a_launcher_told_to_stop_mid_epoch_exits_75_and_the_rerun_finishes_exact
     from tests._support import ROOT, WORKERS
 
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"},  # the engine's
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "OMP_NUM_THREADS": "1",
         "KMP_TEST_OUT": str(tmp_path),
     }
     argv = [sys.executable, "-m", "kmp.cli", "launch", "-np", "2", "--no-preflight"]
-    argv += [str(WORKERS / "worker_preempt.py"), str(tmp_path)]
+    argv += ["--engine", engine, str(WORKERS / "worker_preempt.py"), str(tmp_path)]
     job = subprocess.Popen(
         argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True,
@@ -366,7 +370,7 @@ def test_a_launcher_told_to_stop_mid_epoch_exits_75_and_the_rerun_finishes_exact
     found = kmp.callbacks.latest_checkpoint(tmp_path / "ckpt")
     assert found.epoch == 1 and 2 <= found.step < 8, (found, out)  # inside the epoch
     assert "SIGTERM during epoch 2" in out and "exit status 75" in out, out
-    res = run_workers("worker_preempt.py", str(tmp_path), "0", np=2, timeout=300)
+    res = run_workers("worker_preempt.py", str(tmp_path), "0", np=2, engine=engine, timeout=300)
     for r in res:
         assert r["resumed_from"] == [found.epoch, found.step] and r["skipped"] == found.step
         # Every weight and optimizer variable (step count, loss scale) as without the stop.

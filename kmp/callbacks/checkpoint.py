@@ -19,6 +19,7 @@ import keras
 
 from kmp import distributed, rank_weights
 from kmp._checks import check_bool, check_int
+from kmp.callbacks import preemption
 from kmp.callbacks._ranks import is_chief, to_float
 from kmp.callbacks.async_write import AsyncWriter, snapshot
 from kmp.callbacks.checkpoint_files import (
@@ -31,13 +32,7 @@ from kmp.callbacks.checkpoint_files import (
     template_regex,
 )
 from kmp.callbacks.checkpoint_schedule import InEpochSchedule, monitor_mode
-from kmp.callbacks.preemption import (
-    DEFAULT_SIGNALS,
-    Preempted,
-    SignalCatcher,
-    agree,
-    mark_preempted,
-)
+from kmp.callbacks.preemption import DEFAULT_SIGNALS, Preempted, SignalCatcher, agree
 from kmp.callbacks.resume import StepSkipper, plan_skip
 from kmp.saving import load_model, save_model
 from kmp.training_state import LOADED_STATE, capture, gather_seed_states, loaded_state
@@ -334,7 +329,7 @@ class AtomicCheckpoint(keras.callbacks.Callback):
             self.signal_seconds = time.monotonic() - self._catcher.caught_at
         self._release(checkpointed=True)  # a later SIGTERM (a peer left first): still 75
         if is_chief():
-            mark_preempted(path)
+            preemption.mark_preempted(path)
             seconds = ""
             if self.signal_seconds is not None:
                 seconds = f" {self.signal_seconds:.2f} s after it"
