@@ -14,7 +14,6 @@ the status that says "preempted, run me again to resume".
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import signal
@@ -190,28 +189,14 @@ class SignalCatcher:
                 ends it at once with that status instead of a signal's: a launcher
                 that stops every rank when the first one leaves (``srun
                 --kill-on-bad-exit``, Horovod's) must still read "preempted", not
-                "killed by SIGTERM", from a rank that was leaving anyway.
+                "killed by SIGTERM", from a rank that was leaving anyway (until Python
+                finalizes; after that the chief's note, :func:`mark_preempted`, says it).
         """
-        leaving = []
         for sig, previous in self._previous.items():
             if previous in (None, signal.SIG_DFL):
                 previous = _exit_preempted if checkpointed else signal.SIG_DFL
-                leaving += [sig] if checkpointed else []
             signal.signal(sig, previous)
         self._previous = {}
-        if leaving:  # Python's own handlers end before the process does (finalization)
-            atexit.register(_ignore_while_exiting, leaving)
-
-
-def _ignore_while_exiting(signals: Sequence[signal.Signals]) -> None:
-    """At exit after a preemption checkpoint: the stop signals can no longer change the status.
-
-    Python puts its signal handlers back to the default during finalization, while
-    TensorFlow and Horovod may still be tearing down; an ignored signal stays ignored.
-    """
-    if threading.current_thread() is threading.main_thread():
-        for sig in signals:
-            signal.signal(sig, signal.SIG_IGN)
 
 
 def _exit_preempted(signum: int, frame: Any) -> None:
