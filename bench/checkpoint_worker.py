@@ -2,13 +2,15 @@
 
 Or, with ``--modes signal``, a run that a signal stops.
 
-Started with ``kmp launch -np N``. ``--modes none,signals,sync,async`` trains the same
-model in one process, mode after mode (each ``--steps`` steps in one epoch, a checkpoint
-every ``--every`` steps for sync and async; signals: AtomicCheckpoint catching signals,
-no step checkpoints), and rank 0 writes every step's wall time. The first ``--every``
-steps of each mode are left out (warm-up, and async's first checkpoint, written at once
-to make the copy it writes from later). ``--modes signal`` trains until the launcher
-passes a signal on; rank 0 writes when the checkpoint was on disk (wall clock).
+Started with ``kmp launch -np N``. ``--modes none,signals_each_step,signals,sync,async``
+trains the same model in one process, mode after mode (each ``--steps`` steps in one
+epoch): without AtomicCheckpoint; with it catching signals but no step checkpoints, the
+ranks agreeing after every step or every 2 s (the default); with a checkpoint every
+``--every`` steps, written at once or in the background. Rank 0 writes every step's wall
+time. The first ``--every`` steps of each mode are left out (warm-up, and async's first
+checkpoint, written at once to make the copy it writes from later). ``--modes signal``
+trains until the launcher passes a signal on; rank 0 writes when the checkpoint was on
+disk (wall clock).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def train(mode: str, args: argparse.Namespace, folder: Path) -> dict:
     if mode != "none":
         ckpt = kmp.callbacks.AtomicCheckpoint(
             folder / mode,
-            save_every_steps=None if mode == "signals" else args.every,
+            save_every_steps=None if mode.startswith("signals") else args.every,
+            agree_every_seconds=0 if mode == "signals_each_step" else 2.0,
             async_write=mode in ("async", "signal"),
             keep=2,
             verbose=1 if mode == "signal" else 0,
@@ -95,7 +98,7 @@ def train(mode: str, args: argparse.Namespace, folder: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("folder", type=Path)
-    p.add_argument("--modes", default="none,signals,sync,async")
+    p.add_argument("--modes", default="none,signals_each_step,signals,sync,async")
     p.add_argument("--steps", type=int, default=250)
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--batch", type=int, default=16)

@@ -30,6 +30,7 @@ __all__ = [
     "FoundCheckpoint",
     "atomic_save",
     "checked_filepath",
+    "checkpoint_path",
     "checkpoints",
     "latest_checkpoint",
     "step_template",
@@ -142,6 +143,21 @@ def checked_filepath(filepath: str, save_weights_only: bool) -> str:
             f"the file name must end with {suffix!r} (Keras 3 picks the format from it)."
         )
     return filepath
+
+
+def checkpoint_path(template: str, epoch: int, step: int, logs: dict) -> str:
+    """The file name of the checkpoint of ``(epoch, step)``, with the epoch ``logs``.
+
+    Raises:
+        ValueError: The template names something else than those.
+    """
+    try:
+        return template.format(epoch=epoch, step=step, **logs)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"AtomicCheckpoint: cannot format {template!r} with epoch, step and the logs "
+            f"{sorted(logs)} ({exc!r}); use only those names in the template."
+        ) from exc
 
 
 def checkpoints(directory: str, templates: Iterable[str]) -> list[tuple[int, int, str]]:

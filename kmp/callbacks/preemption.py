@@ -4,9 +4,11 @@ A time limit (SLURM's ``--signal``, its SIGTERM at the end), a Kubernetes pod's
 SIGTERM or a spot instance's notice asks a job to stop soon. During ``fit``,
 :class:`SignalCatcher` turns the signals it is given into a flag (the handler only
 sets it, and then calls any handler that was there before: a user's handler is
-chained, not replaced). After each batch the ranks agree whether any of them was
-signalled (:func:`agree`, one small all-reduce taking the maximum), so all of them
-stop after the same step and no rank waits in a collective for a peer that left.
+chained, not replaced). At meetings (after the first step, then about every 2 s of
+training: :class:`~kmp.callbacks.checkpoint_schedule.AgreementCadence`) the ranks agree
+whether any of them was signalled (:func:`agree`, one small all-reduce taking the
+maximum), so all of them stop after the same step and no rank waits in a collective for
+a peer that left.
 :class:`~kmp.callbacks.AtomicCheckpoint` then writes one checkpoint on every rank's
 behalf and raises :class:`Preempted`, a ``SystemExit`` with :data:`PREEMPTED_EXIT_CODE`:
 the status that says "preempted, run me again to resume".
@@ -21,7 +23,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,7 @@ __all__ = [
     "Preempted",
     "SignalCatcher",
     "agree",
+    "inside_fit",
     "mark_preempted",
     "normalize_signals",
 ]
@@ -117,15 +120,19 @@ class SignalCatcher:
     """While installed, the given signals set :attr:`caught` instead of ending the process.
 
     The same signal a second time puts the handlers back and does what it did before
-    (ends the process, by default): a job whose ``fit`` died without ``on_train_end``
-    still stops when asked twice.
+    (ends the process, by default).
 
     Args:
         signals: Signal names (see :func:`normalize_signals`).
+        active: Given the interrupted frame, whether the catcher still serves (None:
+            always). A ``fit`` that raised never calls ``on_train_end``, so its
+            handlers would stay; with :func:`inside_fit` a signal after it puts them
+            back and does what it did without kmp, the first time.
     """
 
-    def __init__(self, signals: Sequence[str]):
+    def __init__(self, signals: Sequence[str], active: Callable[[Any], bool] | None = None):
         self.signals = tuple(signals)
+        self._active = active
         self.caught: str | None = None
         self.caught_at: float | None = None  # time.monotonic() of the catch (or agreement)
         self._previous: dict[signal.Signals, Any] = {}
@@ -149,6 +156,10 @@ class SignalCatcher:
 
     def _handle(self, signum: int, frame: Any) -> None:
         sig = signal.Signals(signum)
+        if self._active is not None and not self._active(frame):  # left behind by a fit
+            self.remove()  # that raised; the signal goes where it went before kmp
+            signal.raise_signal(signum)
+            return
         previous = self._previous.get(sig)
         self._received[sig] = self._received.get(sig, 0) + 1
         if self._received[sig] > 1:  # asked twice: no more waiting for a checkpoint
@@ -178,7 +189,11 @@ class SignalCatcher:
         self._received = {}
         for sig_name in self.signals:
             sig = signal.Signals[sig_name]
-            self._previous[sig] = signal.signal(sig, self._handle)
+            previous = signal.signal(sig, self._handle)
+            owner = getattr(previous, "__self__", None)
+            if isinstance(owner, SignalCatcher) and owner is not self:  # left by a fit that
+                previous = owner._previous.get(sig, signal.SIG_DFL)  # raised: passed over
+            self._previous[sig] = previous
 
     def remove(self, *, checkpointed: bool = False) -> None:
         """Put back the handlers that were there before.
@@ -197,6 +212,16 @@ class SignalCatcher:
                 previous = _exit_preempted if checkpointed else signal.SIG_DFL
             signal.signal(sig, previous)
         self._previous = {}
+
+
+def inside_fit(frame: Any) -> bool:
+    """Whether ``frame`` runs inside a Keras ``fit`` (a signal handler's interrupted frame)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "fit" and "keras" in code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _exit_preempted(signum: int, frame: Any) -> None:

@@ -269,11 +269,38 @@ def test_a_resume_into_another_epoch_length_fails_before_training(tmp_path):
         ({"save_every_steps": 5, "save_best_only": True}, ValueError, "save_best_only"),
         ({"async_write": True, "save_weights_only": True}, ValueError, "async_write"),
         ({"async_write": 1}, TypeError, "async_write"),
+        ({"agree_every_seconds": -1}, ValueError, "agree_every_seconds"),
+        ({"agree_every_seconds": "2"}, TypeError, "agree_every_seconds"),
     ],
 )
 def test_bad_arguments_are_refused_clearly(tmp_path, kwargs, error, message):
     with pytest.raises(error, match=message):
         kmp.callbacks.AtomicCheckpoint(tmp_path, **kwargs)
+
+
+def test_the_ranks_meet_about_every_interval_at_a_step_they_all_agree_on():
+    """Two ranks of different speeds propose different intervals; the agreement's maximum
+    (what every rank receives) puts their next meeting at the same step."""
+    from kmp.callbacks.checkpoint_schedule import AgreementCadence
+
+    fast, slow = AgreementCadence(2.0), AgreementCadence(2.0)
+    assert fast.due(1) and fast.proposal(1, 10.0) == 1.0  # no step time yet: meet next step
+    for c in (fast, slow):
+        c.agreed(1, 1.0, 10.0)
+    assert not fast.due(1) and fast.due(2)
+    # After step 2: one rank took 0.125 s a step (16 steps to 2 s), the other 0.25 s (8).
+    agreed = max(fast.proposal(2, 10.125), slow.proposal(2, 10.25))
+    assert (fast.proposal(2, 10.125), slow.proposal(2, 10.25), agreed) == (16.0, 8.0, 16.0)
+    for c in (fast, slow):
+        c.agreed(2, agreed, 10.25)
+    assert (
+        [s for s in range(3, 30) if fast.due(s)][:1]
+        == [18]
+        == [s for s in range(3, 30) if slow.due(s)][:1]
+    )
+    every_step = AgreementCadence(0.0)
+    every_step.agreed(5, every_step.proposal(5, 99.0), 99.0)
+    assert every_step.due(6)
 
 
 def test_step_names_follow_the_epoch_name():
@@ -316,6 +343,7 @@ def test_a_stop_signal_after_the_checkpoint_still_exits_preempted(checkpointed, 
     pid = os.fork()
     if pid == 0:  # the child: catch, "checkpoint", put the handlers back, get SIGTERM
         try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not what earlier tests left
             catcher = SignalCatcher(("SIGTERM",))
             catcher.install()
             os.kill(os.getpid(), signal.SIGTERM)
@@ -328,6 +356,28 @@ def test_a_stop_signal_after_the_checkpoint_still_exits_preempted(checkpointed, 
         assert os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGTERM
     else:
         assert os.WIFEXITED(wait_status) and os.WEXITSTATUS(wait_status) == status
+
+
+def test_a_fit_that_raised_leaves_no_catcher_that_swallows_the_next_signal(tmp_path):
+    """Keras calls no on_train_end when fit raises: kmp's handler stays, but a signal after
+    that fit goes where it went before kmp, the first time."""
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+
+        class Boom(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                raise RuntimeError("boom")
+
+        ckpt = kmp.callbacks.AtomicCheckpoint(tmp_path)
+        with pytest.raises(RuntimeError, match="boom"):
+            fit(build("float32"), [ckpt, Boom()])
+        assert signal.getsignal(signal.SIGUSR1) == ckpt._catcher._handle  # left behind
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] and ckpt._catcher.caught is None
+        assert signal.getsignal(signal.SIGUSR1) is not ckpt._catcher._handle
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_a_fit_without_atomic_checkpoint_is_told_its_position_is_not_resumed(tmp_path):

@@ -8,7 +8,7 @@ allocation's nodes and end bit-identical, on Horovod (Gloo and MPI through PMIx)
 and on the JAX engine, with the accuracy of the same job on one node; a job whose
 node fails is requeued by SLURM and resumes from its last checkpoint to the same
 accuracy as the run that never failed; a job warned of its time limit checkpoints
-inside its epoch, requeues itself and resumes there; ``scancel`` leaves no rank
+at one agreed step, requeues itself and resumes there; ``scancel`` leaves no rank
 behind and the job cancelled. The four
 training jobs run two at a time (class Jobs), and each test reads only the jobs it
 checks.
@@ -212,13 +212,11 @@ def _until(ready, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def test_a_warned_job_requeues_itself_and_resumes_inside_its_epoch_and_scancel_ends_it(
-    slurm, env, tmp_path
-):
+def test_a_warned_job_requeues_itself_and_resumes_and_scancel_then_ends_it(slurm, env, tmp_path):
     """A time limit's warning (``--signal=USR1@T`` sends SIGUSR1 to the ranks, as ``scancel
     --signal=USR1`` does here, when we choose) makes every rank checkpoint at one agreed
     step and exit 75; kmp launch requeues the job (on by default) and the second run goes
-    on inside the epoch from that step's checkpoint. ``scancel`` then ends every rank, and
+    on from that step's checkpoint. ``scancel`` then ends every rank, and
     the job stays cancelled: its SIGTERM reaches kmp launch too, which then never requeues."""
     marker = f"KMP_SLURM_TEST_JOB=cancel-{tmp_path.name}"
     job_env = {**env, marker.split("=")[0]: marker.split("=")[1]}
@@ -233,8 +231,9 @@ def test_a_warned_job_requeues_itself_and_resumes_inside_its_epoch_and_scancel_e
     _until(lambda: "resumed from" in out.read_text(errors="replace"), 120, "a resumed run")
     log = out.read_text(errors="replace")
     assert "requeuing job" in log, log[-4000:]
-    resumed = next(line for line in log.splitlines() if "resumed from" in line)
-    assert "-step-" in resumed, resumed  # inside an epoch, not at its start
+    written = next(line for line in log.splitlines() if "SIGUSR1 during" in line)
+    path = written.split(": checkpoint ")[1].split(" written")[0]
+    assert f"resumed from {path}:" in log, log[-4000:]  # the warning's own checkpoint
     _until(lambda: len(_ranks(marker)) == 2, 60, "the second run's ranks")
     on_h1("scancel", job)
     _until(lambda: not pids_with_env(marker), 30, "scancel left processes of the job running")

@@ -183,7 +183,9 @@ def case(spec: str, folder: Path) -> dict:
     ckpt = folder / spec.replace(":", "-")
     # Step 2 (inside epoch 1) is written at once and makes the copy that epoch 1's end is
     # written from, in the background; the signal's checkpoint waits for that write.
-    callbacks = [kmp.callbacks.AtomicCheckpoint(ckpt, save_every_steps=2, async_write=True)]
+    # agree_every_seconds=0: the ranks meet after every step, so the stop step is exact.
+    kwargs = {"save_every_steps": 2, "async_write": True, "agree_every_seconds": 0}
+    callbacks = [kmp.callbacks.AtomicCheckpoint(ckpt, **kwargs)]
     if RANK == 1:  # one rank alone is signalled: the ranks must agree to stop
         callbacks.insert(0, SignalAt(*STOP_AT))
     try:
