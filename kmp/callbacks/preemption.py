@@ -193,6 +193,8 @@ class SignalCatcher:
             owner = getattr(previous, "__self__", None)
             if isinstance(owner, SignalCatcher) and owner is not self:  # left by a fit that
                 previous = owner._previous.get(sig, signal.SIG_DFL)  # raised: passed over
+            if previous is _exit_preempted:  # an earlier Preempted was caught: training again
+                previous = signal.SIG_DFL
             self._previous[sig] = previous
 
     def remove(self, *, checkpointed: bool = False) -> None:

@@ -358,6 +358,26 @@ def test_a_stop_signal_after_the_checkpoint_still_exits_preempted(checkpointed, 
         assert os.WIFEXITED(wait_status) and os.WEXITSTATUS(wait_status) == status
 
 
+def test_after_a_caught_preemption_the_next_catcher_does_not_exit():
+    """A script (a notebook, a worker running several cases) that caught Preempted and
+    trains again: the next fit catches the next signal instead of exiting with 75."""
+    from kmp.callbacks.preemption import SignalCatcher
+
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    try:
+        first = SignalCatcher(("SIGUSR1",))
+        first.install()
+        first.remove(checkpointed=True)  # as after Preempted: a stop signal now exits 75
+        second = SignalCatcher(("SIGUSR1",))
+        second.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert second.caught == "SIGUSR1"  # caught, and this process still runs
+        second.remove()
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def test_a_fit_that_raised_leaves_no_catcher_that_swallows_the_next_signal(tmp_path):
     """Keras calls no on_train_end when fit raises: kmp's handler stays, but a signal after
     that fit goes where it went before kmp, the first time."""
