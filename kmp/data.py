@@ -403,8 +403,9 @@ def load(
     if epochs is None:
         ds = one_epoch(epoch_seed(seed, epoch), reshuffle=True).repeat()
     else:
-        fixed = all(t.shape[1:].is_fully_defined() for t in one_epoch(0).element_spec)
-        ds = one_epoch(epoch_seed(seed, epoch), skip=skip_batches if fixed else 0)
+        ds = one_epoch(epoch_seed(seed, epoch))
+        if skip_batches and all(t.shape[1:].is_fully_defined() for t in ds.element_spec):
+            ds = one_epoch(epoch_seed(seed, epoch), skip=skip_batches)  # fixed image sizes
         for e in range(epoch + 1, epoch + epochs):
             ds = ds.concatenate(one_epoch(epoch_seed(seed, e)))
     if epochs is not None:
