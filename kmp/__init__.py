@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 from kmp._version import __version__
+from kmp.versions import warn_if_untested as _warn_if_untested
 
 # Public name -> module that defines it: the whole top-level face (tests/test_public_api.py
 # pins it, so growing it is a decision).
@@ -50,6 +51,7 @@ _NAMESPACES: tuple[str, ...] = (
     "hardware",
     "layers",
     "loss_scale",
+    "versions",
     "xla",
 )
 
@@ -66,6 +68,7 @@ if _TYPE_CHECKING:  # pragma: no cover  (static analysers see the lazy names)
         hardware,
         layers,
         loss_scale,
+        versions,
         xla,
     )
     from kmp._dispatch import wrap_optimizer  # noqa: F401
@@ -97,3 +100,8 @@ def __getattr__(name: str) -> _Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__) | set(_NAMESPACES))
+
+
+# An installed Python, Keras, TensorFlow or JAX outside the tested ranges: a warning that
+# names them and the fix (kmp.versions.UntestedVersionWarning; no import of any of them).
+_warn_if_untested()

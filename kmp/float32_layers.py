@@ -39,7 +39,7 @@ def _float32_policy(layer: Any) -> Any:
 
 def _forget_old_dtypes(models: list) -> None:
     """Drop traced train/predict functions; update the dtypes Functional graphs recorded."""
-    from keras.src.backend import compute_output_spec
+    from kmp._keras_internals import compute_output_spec
 
     for model in (m for m in models if isinstance(m, keras.Model)):
         model.train_function = model.test_function = model.predict_function = None

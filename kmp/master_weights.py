@@ -33,6 +33,7 @@ import keras
 from keras import ops
 
 from kmp import _checks
+from kmp._keras_internals import bitcast
 from kmp._names import LOW_FLOATS, MASTER_WEIGHTS
 
 __all__ = [
@@ -212,6 +213,6 @@ def stochastic_round(exact: Any, bits: Any) -> Any:
     Returns:
         The bfloat16 values.
     """
-    pattern = ops.view(ops.cast(exact, "float32"), "int32")
+    pattern = bitcast(ops.cast(exact, "float32"), "int32")
     truncated = ops.bitwise_and(ops.add(pattern, bits), _as_int32(0xFFFF0000))
-    return ops.cast(ops.view(truncated, "float32"), "bfloat16")
+    return ops.cast(bitcast(truncated, "float32"), "bfloat16")

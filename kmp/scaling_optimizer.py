@@ -27,6 +27,7 @@ from keras import ops
 
 from kmp import distributed
 from kmp import loss_scale as _ls
+from kmp._keras_internals import untracked
 from kmp._version import __version__
 from kmp.accumulation import GradientAccumulation
 from kmp.compensated import CompensatedUpdates
@@ -164,7 +165,7 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         rescale_learning_rate(self.inner_optimizer, self.lr_scale, factor)
         self.lr_scale = float(factor)
 
-    @keras.src.utils.tracking.no_automatic_dependency_tracking
+    @untracked
     def build(self, var_list: list) -> None:
         """Create the loss-scale state, the accumulators and the inner optimizer's variables."""
         start = self.loss_scale_rule.start_state()

@@ -143,10 +143,9 @@ def seed_states(model: keras.Model) -> list[Any]:
 
 def _global_seed_generator() -> Any:
     """Keras's global ``SeedGenerator`` if one was made, without making one."""
-    from keras.src.backend.common import global_state
-    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+    from kmp._keras_internals import global_seed_generator
 
-    return global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    return global_seed_generator()
 
 
 def _pair(variable: Any) -> tuple[int, int]:
@@ -258,9 +257,9 @@ def restore_rng(model: keras.Model, state: TrainingState, rank: int = 0) -> None
     for variable, pair in zip(variables, saved, strict=True):
         variable.assign(np.asarray(pair, dtype=variable.dtype))
     if state.global_seed_state is not None:
-        from keras.src.random.seed_generator import global_seed_generator
+        from kmp._keras_internals import new_global_seed_generator
 
-        generator = global_seed_generator()
+        generator = new_global_seed_generator()
         generator.state.assign(np.asarray(state.global_seed_state, dtype=generator.state.dtype))
 
 

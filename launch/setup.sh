@@ -9,7 +9,10 @@
 #      need, if any is missing: openssh-server/-client, iproute2, iputils-ping (for
 #      `kmp cluster`), openmpi-bin and libopenmpi-dev (Horovod's MPI controller).
 #      KMP_SYSTEM_PACKAGES=0 skips this step; without root it is skipped with a note.
-#   1. .venv/ with Python 3.11 (python3.11, else python3 if it is 3.11).
+#   1. .venv/ with the Python KMP_PYTHON names (any of 3.10-3.13, the range kmp/versions.py
+#      holds; a .venv of another Python is rebuilt), else the pinned Python 3.11 (what CI
+#      runs), else the newest supported one found (python3.X on PATH, then pyenv's builds).
+#      requirements*.txt pin per Python where a pin has no wheel for it (markers).
 #   2. The install plan (kmp/install/plan.py, standard library only): NVIDIA GPUs
 #      (nvidia-smi) or KMP_DEVICE=cuda mean tensorflow[and-cuda]==2.21.0 and Horovod with
 #      NCCL; otherwise tensorflow-cpu==2.21.0. `kmp install-horovod --dry-run` prints it.
@@ -37,23 +40,45 @@ pip_q() {
   return $rc
 }
 
+# Whether a Python is one kmp supports (kmp/versions.py decides; it needs only the
+# standard library); prints why not.
+supported() {
+  PYTHONPATH="$ROOT" "$1" -W ignore -c \
+    "import sys, kmp.versions as v; sys.exit(v.main(['--python']))" 2>/dev/null
+}
+
 find_python() {
-  for cand in "${KMP_PYTHON:-}" python3.11 python3; do
-    [ -n "$cand" ] || continue
-    if command -v "$cand" >/dev/null 2>&1 &&
-       "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+  if [ -n "${KMP_PYTHON:-}" ]; then
+    if ! command -v "$KMP_PYTHON" >/dev/null 2>&1 || ! "$KMP_PYTHON" -c '' 2>/dev/null; then
+      log "KMP_PYTHON=$KMP_PYTHON does not run: name a python3.X on PATH or its full path."
+      return 1
+    fi
+    local why
+    if ! why="$(supported "$KMP_PYTHON")"; then
+      log "KMP_PYTHON=$KMP_PYTHON: ${why:-not a Python kmp supports}"; return 1
+    fi
+    command -v "$KMP_PYTHON"; return 0
+  fi
+  local cand
+  for cand in python3.11 python3.13 python3.12 python3.10 python3 \
+      $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[0-3].*/bin/python3.1[0-3] 2>/dev/null | sort -V -r); do
+    # pyenv's shims exist for every version and fail for one that is not selected.
+    if command -v "$cand" >/dev/null 2>&1 && supported "$cand" >/dev/null; then
       command -v "$cand"; return 0
     fi
   done
-  log "Python 3.11 is required (set KMP_PYTHON=/path/to/python3.11)."; return 1
+  log "no supported Python (3.10-3.13) found: install one, or set KMP_PYTHON=/path/to/python3.X."
+  return 1
 }
+
+minor() { "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])'; }
 
 want_stamp() {
   # Everything that decides what is installed: the files and the plan.
   cat "$ROOT/requirements.txt" "$ROOT/requirements-docs.txt" "$ROOT/requirements-hub.txt" \
     "$ROOT/requirements-serve.txt" "$ROOT/pyproject.toml" \
     "${BASH_SOURCE[0]}" "$ROOT/kmp/install/plan.py" | sha256sum | cut -c1-16
-  echo "hub=${KMP_HUB:-1} serve=${KMP_SERVE:-1}"
+  echo "hub=${KMP_HUB:-1} serve=${KMP_SERVE:-1} python=$(minor "$PY")"
   echo "$PLAN"
 }
 
@@ -106,9 +131,16 @@ system_packages() {
 
 system_packages
 
+if [ -x "$PY" ] && [ -n "${KMP_PYTHON:-}" ]; then
+  PYTHON="$(find_python)"
+  if [ "$(minor "$PYTHON")" != "$(minor "$PY")" ]; then
+    log "KMP_PYTHON is Python $(minor "$PYTHON"), $VENV has $(minor "$PY"): rebuilding it"
+    rm -rf "$VENV"
+  fi
+fi
 if [ ! -x "$PY" ]; then
   PYTHON="$(find_python)"
-  log "creating $VENV with $PYTHON"
+  log "creating $VENV with $PYTHON (Python $(minor "$PYTHON"))"
   "$PYTHON" -m venv "$VENV"
 fi
 

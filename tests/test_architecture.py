@@ -31,6 +31,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp._outputs",
             "kmp._keras_local",
             "kmp.hardware",
+            "kmp.versions",
+            "kmp._keras_internals",
         ),
     ),
     (

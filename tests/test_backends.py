@@ -14,16 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.suites import JAX_RERUN
+
 ROOT = Path(__file__).resolve().parents[1]
-CORE_TESTS = [
-    "tests/test_policy.py",
-    "tests/test_layers.py",
-    "tests/test_float32_layers.py",
-    "tests/test_layer_walk.py",
-    "tests/test_auditing.py",
-    "tests/test_probing.py",
-    "tests/test_master_weights.py",  # the stateless path (its 2-process runs: not here)
-]
 
 
 @pytest.mark.slow
@@ -41,7 +34,7 @@ def test_core_tests_pass_on_jax_backend():
             "-q",
             "-p",
             "no:cacheprovider",
-            *CORE_TESTS,
+            *JAX_RERUN,
             "-m",
             "not distributed and not backend_agnostic",
             "-k",

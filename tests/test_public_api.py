@@ -47,6 +47,7 @@ NAMESPACES = {
     "hardware",
     "layers",
     "loss_scale",
+    "versions",
     "xla",
 }
 FACES: dict[str, set[str]] = {
@@ -136,6 +137,16 @@ FACES: dict[str, set[str]] = {
     "kmp.exporting": {"ExportPlan", "ExportResult", "export", "plan_export"},
     "kmp.quantizing": {"LayerOutcome", "QuantizeReport", "quantize"},
     "kmp.xla": {"fused", "jit_gradients", "step_jit_compile"},
+    "kmp.versions": {
+        "SUPPORTED",
+        "Supported",
+        "UntestedVersionWarning",
+        "supported",
+        "installed",
+        "parse",
+        "untested",
+        "warn_if_untested",
+    },
 }
 # Packages whose ``__init__`` only gathers a face: every public name in them that is not a
 # submodule is listed in ``__all__`` (``dir()`` shows no internal).

@@ -36,10 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from kmp._keras_internals import JAX_VARIABLE_INITIALIZE
 from kmp._keras_local import local_variables
 from kmp._launcher_env import JaxTimeouts
 from kmp.distributed import _jax_step
 from kmp.distributed.engines import Engine, Layout, Transport, layout
+from kmp.versions import installed, supported
 
 __all__ = [
     "JaxEngine",
@@ -59,10 +61,8 @@ __all__ = [
     "start",
 ]
 
-# A point of Keras kmp wraps (the other: _jax_step.HOOK_POINT), Keras 3.15: every variable
-# made eagerly from a value passes JaxVariable._initialize(self, value) before JAX lays it
-# out over the devices, where JAX checks that every process passes the same value.
-HOOK_POINT = ("keras.src.backend.jax.core", "JaxVariable", "_initialize", ("self", "value"))
+# A point of Keras kmp wraps (the other: _jax_step.HOOK_POINT); _keras_internals says what.
+HOOK_POINT = JAX_VARIABLE_INITIALIZE
 
 _REDUCE = {"average": np.mean, "sum": np.sum, "min": np.min, "max": np.max, "product": np.prod}
 
@@ -222,22 +222,21 @@ def _hook_point() -> tuple[type, Any]:
     """Return Keras's ``JaxVariable`` class and its own ``_initialize``, or fail clearly."""
     import importlib
 
-    module_name, class_name, method_name, params = HOOK_POINT
-    where = f"{module_name}.{class_name}.{method_name}{params}"
+    module_name, class_names, method_name, params = HOOK_POINT
+    where = f"{module_name}.{'|'.join(class_names)}.{method_name}{params}"
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
+        module = importlib.import_module(module_name)
+        cls = next(getattr(module, n) for n in class_names if hasattr(module, n))
         method = cls.__dict__[method_name]
         found = tuple(inspect.signature(method).parameters)
-    except (ImportError, AttributeError, KeyError, TypeError, ValueError) as exc:
+    except (ImportError, StopIteration, KeyError, TypeError, ValueError) as exc:
         found, cls, method = (f"missing: {type(exc).__name__}: {exc}",), None, None
     if found != params:
-        import keras
-
         raise RuntimeError(
             f"kmp's JAX engine gives every process process 0's initial variable values through "
-            f"Keras's {where}, which this Keras ({keras.__version__}) does not have ({found}). "
-            "Install the Keras kmp supports (keras==3.15.*), or use the Horovod engine "
-            "(kmp launch --engine horovod)."
+            f"Keras's {where}, which this Keras ({installed()['keras']}) does not have ({found}). "
+            f"Install a Keras kmp supports (pip install '{supported('keras').requirement}'), "
+            "or use the Horovod engine (kmp launch --engine horovod)."
         )
     return cls, method
 

@@ -36,11 +36,13 @@ import importlib
 from collections.abc import Sequence
 from typing import Any
 
+from kmp._keras_internals import JAX_TRAIN_STEP
+from kmp.versions import supported
+
 __all__ = ["HOOK_POINT", "combine_rule", "install", "owns_step", "remove"]
 
-# Keras 3.15's JAX trainer: ``train_step(self, state, data)`` -> (logs, state), where
-# state = (trainable, non_trainable, optimizer, metrics) values.
-HOOK_POINT = ("keras.src.backend.jax.trainer", "JAXTrainer", "train_step")
+# Keras's JAX trainer step (kmp._keras_internals.JAX_TRAIN_STEP).
+HOOK_POINT = JAX_TRAIN_STEP
 
 
 def combine_rule(dtype: str, aggregation: str) -> str:
@@ -106,7 +108,7 @@ def install(distribution_class: type) -> None:
     if method is None:
         raise RuntimeError(
             f"This Keras has no {'.'.join(HOOK_POINT)}, which kmp's JAX engine takes over; "
-            "install the Keras kmp pins (pip install -r requirements.txt)."
+            f"install a Keras kmp supports (pip install '{supported('keras').requirement}')."
         )
     if getattr(method, "_kmp_original", None) is not None:
         return
@@ -183,11 +185,9 @@ def flat_train_step(model: Any, state: tuple, data: Any) -> tuple[dict, tuple]:
     import jax.numpy as jnp
     import keras
     from jax.sharding import PartitionSpec
-    from keras.src import backend
-    from keras.src.trainers import data_adapters
 
     trainable, non_trainable, optimizer_values, metrics = state
-    x, y, sample_weight = data_adapters.data_adapter_utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     distribution = keras.distribution.distribution()
     mesh, axis = distribution.device_mesh.backend_mesh, distribution.batch_dim_name
     n = mesh.devices.size
@@ -231,7 +231,7 @@ def flat_train_step(model: Any, state: tuple, data: Any) -> tuple[dict, tuple]:
     trainable, optimizer_values = model.optimizer.stateless_apply(
         optimizer_values, grads, trainable
     )
-    with backend.StatelessScope(
+    with keras.StatelessScope(
         state_mapping=list(zip(model.metrics_variables, metrics, strict=True))
     ):
         logs = model.get_metrics_result()

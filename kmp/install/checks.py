@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from kmp.install.plan import TENSORFLOW_VERSION, tensorflow_requirement
+from kmp.versions import untested
 
 __all__ = ["Finding", "diagnose"]
 
@@ -120,7 +121,8 @@ def diagnose(info: dict) -> list[Finding]:
     TensorFlow that sees no GPU; Horovod without NCCL on a GPU machine;
     Horovod missing, or built against another TensorFlow than the one
     installed (recorded by ``kmp install-horovod``, or seen as ops that fail
-    to load).
+    to load); a Python, Keras, TensorFlow or JAX outside kmp's tested ranges
+    (:func:`kmp.versions.untested`).
     """
     tf = info.get("tensorflow_build")
     hvd = info.get("horovod") or {}
@@ -137,4 +139,11 @@ def diagnose(info: dict) -> list[Finding]:
             )
         )
     found.extend(_horovod_findings(tf, hvd))
+    versions = {
+        "python": info.get("python"),
+        "keras": (info.get("keras") or {}).get("version"),
+        "tensorflow": info.get("tensorflow"),
+        "jax": info.get("jax"),
+    }
+    found.extend(Finding("untested-version", *problem) for problem in untested(versions))
     return found

@@ -91,3 +91,18 @@ def test_the_report_prints_each_warning_with_its_fix():
     assert "warnings            2" in text
     assert "WARNING: 8 NVIDIA GPU(s), but tensorflow-cpu 2.21.0 is CPU-only" in text
     assert "fix: kmp install-horovod --gpu nccl --force" in text
+
+
+def test_versions_outside_the_tested_ranges_are_reported_with_their_fix():
+    inside = {**facts(), "python": "3.12.1", "keras": {"version": "3.12.0"}, "jax": "0.6.2"}
+    assert diagnose({**inside, "tensorflow": "2.20.0"}) == []
+    outside = {**inside, "keras": {"version": "3.9.2"}, "tensorflow": "2.17.1", "jax": "0.13.0"}
+    found = diagnose(outside)
+    assert [f.code for f in found] == ["untested-version"] * 3
+    assert [f.problem.split(" is ")[0] for f in found] == [
+        "keras 3.9.2",
+        "tensorflow 2.17.1",
+        "jax 0.13.0",
+    ]
+    assert found[0].fix == "pip install 'keras>=3.10,<3.16'"
+    assert found[2].fix == "pip install 'jax>=0.6.2,<0.13'"
