@@ -49,15 +49,20 @@ supported() {
 
 find_python() {
   if [ -n "${KMP_PYTHON:-}" ]; then
-    if ! command -v "$KMP_PYTHON" >/dev/null 2>&1 || ! "$KMP_PYTHON" -c '' 2>/dev/null; then
-      log "KMP_PYTHON=$KMP_PYTHON does not run: name a python3.X on PATH or its full path."
-      return 1
+    local want="$KMP_PYTHON" why
+    if ! "$want" -c '' 2>/dev/null; then
+      # A name such as python3.13 that only pyenv's shim answers: pyenv's own build of it.
+      want="$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}/versions/${KMP_PYTHON#python}".*/bin/"$KMP_PYTHON" \
+        2>/dev/null | sort -V | tail -1)"
+      if [ -z "$want" ] || ! "$want" -c '' 2>/dev/null; then
+        log "KMP_PYTHON=$KMP_PYTHON does not run: name a python3.X on PATH or its full path."
+        return 1
+      fi
     fi
-    local why
-    if ! why="$(supported "$KMP_PYTHON")"; then
+    if ! why="$(supported "$want")"; then
       log "KMP_PYTHON=$KMP_PYTHON: ${why:-not a Python kmp supports}"; return 1
     fi
-    command -v "$KMP_PYTHON"; return 0
+    command -v "$want"; return 0
   fi
   local cand
   for cand in python3.11 python3.13 python3.12 python3.10 python3 \
@@ -169,8 +174,8 @@ if [ "${KMP_SETUP_FORCE:-0}" = 1 ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" !
   # tensorflow-text requirement cannot pull a second TensorFlow (requirements-hub.txt).
   if [ "${KMP_HUB:-1}" != 0 ]; then
     pip_q install -q --disable-pip-version-check -r "$ROOT/requirements-hub.txt"
-    pip_q install -q --disable-pip-version-check --no-deps \
-      "$(sed -n 's/^# no-deps: //p' "$ROOT/requirements-hub.txt")"
+    mapfile -t no_deps < <(sed -n 's/^# no-deps: //p' "$ROOT/requirements-hub.txt")
+    pip_q install -q --disable-pip-version-check --no-deps "${no_deps[@]}"
   fi
   # The export converters and runtimes (requirements-serve.txt; KMP_SERVE=0 leaves them out).
   if [ "${KMP_SERVE:-1}" != 0 ]; then

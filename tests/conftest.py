@@ -30,7 +30,7 @@ LONGEST_FIRST = (
     "tests/test_bench.py",  # 568 s: kmp bench --quick, the ResNet-50 JAX-CPU and probe benches
     "tests/test_zoo.py",  # 374 s: keras.applications and KerasHub models
     "tests/test_train.py",  # 326 s: launch/train.py jobs
-    "tests/test_backends.py",  # 210 s: the core tests again on JAX (189 s with XLA_FLAGS above)
+    "tests/test_backends.py",  # 210 s: the core tests again on JAX (launch/test.sh: the matrix)
     "tests/test_master_weights.py",  # 197 s
     "tests/test_notebooks.py",  # 212 s
     "tests/test_scaling_optimizer.py",  # 198 s

@@ -120,6 +120,15 @@ def test_readme_links_every_notebook():
         assert f"](notebooks/{name}.ipynb)" in readme, f"README.md does not link {name}.ipynb"
 
 
+def test_every_notebook_installs_kmp_first_where_it_is_missing():
+    """Colab: the first code cell installs kmp (./kmp or KMP_SOURCE) only when it is missing."""
+    for name in NOTEBOOKS:
+        first = next(c for c in _read(name).cells if c.cell_type == "code").source
+        assert 'importlib.util.find_spec("kmp") is None' in first, name
+        assert '"pip", "install"' in first and 'os.environ.get("KMP_SOURCE", "./kmp")' in first
+        assert "import kmp" not in first, name  # kmp is imported only after it is there
+
+
 def test_notebooks_download_nothing():
     """No notebook asks TFDS (or anything else) to download: they must run offline."""
     pattern = re.compile(r"download\s*=\s*True|urlretrieve|requests\.get|wget |curl ")

@@ -115,3 +115,29 @@ def test_import_kmp_warns_outside_the_ranges_and_is_silent_inside(monkeypatch):
         timeout=120,
     )
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _matrix(tmp_path: Path, name: str, requirements: str | None) -> subprocess.CompletedProcess:
+    """launch/matrix.sh run from a copy of the repository's layout with one requirements file."""
+    (tmp_path / "launch").mkdir(exist_ok=True)
+    (tmp_path / "launch" / "matrix.sh").write_text((ROOT / "launch" / "matrix.sh").read_text())
+    if requirements is not None:
+        (tmp_path / f"requirements-{name}.txt").write_text(requirements)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "KMP_CACHE_DIR": str(tmp_path / "c")}
+    return subprocess.run(
+        ["bash", str(tmp_path / "launch" / "matrix.sh"), name],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_matrix_skips_a_missing_python_and_refuses_a_bad_file(tmp_path):
+    r = _matrix(tmp_path, "future", "# python: 3.99\nkeras==9.0\n")
+    assert r.returncode == 0 and "SKIPPED future: no Python 3.99" in r.stderr
+    assert not (tmp_path / "c" / "envs").exists()  # nothing built
+    r = _matrix(tmp_path, "nameless", "keras==3.10.0\n")
+    assert r.returncode == 2 and "has no '# python: 3.X' line" in r.stderr
+    r = _matrix(tmp_path, "missing", None)
+    assert r.returncode == 2 and "requirements-missing.txt" in r.stderr

@@ -24,6 +24,19 @@
 # kmp switches loss scaling off for it.
 
 # %%
+# Colab, or a kernel without kmp: install it first, from a clone of kmp's repository in ./kmp
+# (or the path or URL in KMP_SOURCE). Where kmp is installed, this cell does nothing.
+import importlib.util
+import os
+import subprocess
+import sys
+
+if importlib.util.find_spec("kmp") is None:
+    subprocess.check_call(
+        [sys.executable, "-m", "pip", "install", "-q", os.environ.get("KMP_SOURCE", "./kmp")]
+    )
+
+# %%
 %matplotlib inline
 import os
 

@@ -28,6 +28,19 @@
 # and the rest of the code stays the same.
 
 # %%
+# Colab, or a kernel without kmp: install it first, from a clone of kmp's repository in ./kmp
+# (or the path or URL in KMP_SOURCE). Where kmp is installed, this cell does nothing.
+import importlib.util
+import os
+import subprocess
+import sys
+
+if importlib.util.find_spec("kmp") is None:
+    subprocess.check_call(
+        [sys.executable, "-m", "pip", "install", "-q", os.environ.get("KMP_SOURCE", "./kmp")]
+    )
+
+# %%
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TensorFlow's C++ start-up logs quiet
