@@ -2,7 +2,7 @@
 
 Also what differs between the Kerases kmp supports (kmp.versions: 3.10 to 3.15).
 
-The one home of ``keras.src`` in kmp: no other module imports from it (tests/test_versions.py
+The one home of ``keras.src`` in kmp: no other module imports from it (tests/test_keras_internals.py
 checks). Each function says which Keras versions take which route; docs/architecture.md
 lists them. When Keras makes one public, or the oldest supported Keras has the public way,
 the entry here shrinks to that call.

@@ -23,9 +23,12 @@ import sys
 
 __all__ = [
     "SUPPORTED",
+    "TENSORFLOW_DISTRIBUTIONS",
     "Supported",
     "UntestedVersionWarning",
     "installed",
+    "installed_distribution",
+    "installed_tensorflow",
     "parse",
     "supported",
     "untested",
@@ -71,7 +74,13 @@ SUPPORTED: tuple[Supported, ...] = (
 )
 
 # The distributions that install the ``tensorflow`` package, in the order they are looked for.
-_TENSORFLOW_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-macos", "tf-nightly")
+TENSORFLOW_DISTRIBUTIONS = (
+    "tensorflow",
+    "tensorflow-cpu",
+    "tensorflow-gpu",
+    "tensorflow-macos",
+    "tf-nightly",
+)
 
 
 def supported(name: str) -> Supported:
@@ -131,22 +140,32 @@ def untested(versions: dict[str, str | None]) -> list[tuple[str, str]]:
     return found
 
 
+def installed_distribution(*names: str) -> tuple[str, str] | None:
+    """``(name, version)`` of the first of ``names`` installed, read from metadata (no import)."""
+    for name in names:
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_tensorflow() -> tuple[str, str] | None:
+    """``(distribution, version)`` of the installed TensorFlow, read from metadata (no import)."""
+    return installed_distribution(*TENSORFLOW_DISTRIBUTIONS)
+
+
 def installed() -> dict[str, str | None]:
     """The versions of Python, Keras, TensorFlow and JAX in this environment (no imports)."""
 
-    def version(*distributions: str) -> str | None:
-        for name in distributions:
-            try:
-                return importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        return None
+    def version(found: tuple[str, str] | None) -> str | None:
+        return None if found is None else found[1]
 
     return {
         "python": platform.python_version(),
-        "keras": version("keras", "keras-nightly"),
-        "tensorflow": version(*_TENSORFLOW_DISTRIBUTIONS),
-        "jax": version("jax"),
+        "keras": version(installed_distribution("keras", "keras-nightly")),
+        "tensorflow": version(installed_tensorflow()),
+        "jax": version(installed_distribution("jax")),
     }
 
 

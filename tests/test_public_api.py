@@ -139,8 +139,11 @@ FACES: dict[str, set[str]] = {
     "kmp.xla": {"fused", "jit_gradients", "step_jit_compile"},
     "kmp.versions": {
         "SUPPORTED",
+        "TENSORFLOW_DISTRIBUTIONS",
         "Supported",
         "UntestedVersionWarning",
+        "installed_distribution",
+        "installed_tensorflow",
         "supported",
         "installed",
         "parse",

@@ -14,7 +14,6 @@ The facts of a Python environment are read from its package metadata
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 import shutil
@@ -23,13 +22,12 @@ import sys
 from pathlib import Path
 
 from kmp.install import plan as ip
+from kmp.versions import installed_tensorflow
 
 __all__ = [
     "CONTROLLER_FLAGS",
-    "TENSORFLOW_DISTRIBUTIONS",
     "PythonFacts",
     "built_flags",
-    "installed_tensorflow",
     "is_current",
     "load_facts",
     "python_facts",
@@ -40,8 +38,6 @@ __all__ = [
     "write",
 ]
 
-# Distributions that provide the `tensorflow` package, in the order they are looked for.
-TENSORFLOW_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tf-nightly")
 # What a build record says the library was built with (load_facts's keys of the same names).
 CONTROLLER_FLAGS = ("gloo", "mpi", "nccl")
 
@@ -85,16 +81,6 @@ class PythonFacts:
     tensorflow_version: str | None
     mpicxx: str | None
     compiler: str | None
-
-
-def installed_tensorflow() -> tuple[str, str] | None:
-    """Return ``(distribution, version)`` of the installed TensorFlow, read from metadata."""
-    for dist in TENSORFLOW_DISTRIBUTIONS:
-        try:
-            return dist, importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def python_facts() -> PythonFacts:

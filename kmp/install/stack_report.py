@@ -19,22 +19,19 @@ a broken build is reported, not fatal) and :func:`format_report` renders them.
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
+
+from kmp.versions import installed_distribution, installed_tensorflow
 
 __all__ = ["collect", "format_report"]
 
 
 def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    found = installed_distribution(dist)
+    return None if found is None else found[1]
 
 
 def _tensorflow_facts() -> dict | None:
-    from kmp.install.record import installed_tensorflow
-
     found = installed_tensorflow()
     if found is None:
         return None
