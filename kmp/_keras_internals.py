@@ -19,7 +19,9 @@ __all__ = [
     "bitcast",
     "compute_output_spec",
     "global_seed_generator",
+    "is_tracer",
     "new_global_seed_generator",
+    "stateless_value",
     "untracked",
 ]
 
@@ -88,6 +90,30 @@ def compute_output_spec(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     from keras.src.backend import compute_output_spec as spec
 
     return spec(fn, *args, **kwargs)
+
+
+def is_tracer(value: Any) -> bool:
+    """Whether ``value`` is a JAX tracer (a compiled step is being traced); False elsewhere.
+
+    JAX is not imported: a value is a tracer only where JAX made it. ``jax.core.Tracer``
+    is the public name in JAX 0.6-0.12.
+    """
+    import sys
+
+    jax_core = sys.modules.get("jax.core")
+    return jax_core is not None and isinstance(value, jax_core.Tracer)
+
+
+def stateless_value(variable: Any) -> Any:
+    """The value a ``keras.StatelessScope`` in force maps ``variable`` to; None: no such scope.
+
+    Keras 3.10-3.15 keep the scope in ``keras.src.backend.common.global_state`` and give no
+    public getter (``keras.StatelessScope`` itself is public).
+    """
+    from keras.src.backend import get_stateless_scope
+
+    scope = get_stateless_scope()
+    return None if scope is None else scope.get_current_value(variable)
 
 
 def untracked(fn: Callable) -> Callable:

@@ -5,11 +5,20 @@ float16, or whose precision matters (what ``kmp.probe`` measures and ``kmp.audit
 suspects), can be moved back to float32 in place, with everything inside it, on any built
 model: Sequential, Functional, subclassed or KerasHub. The layers and their paths are
 those of :func:`kmp.layer_walk.walk`, the walk ``kmp.probe`` and ``kmp.audit`` take too.
+
+A kept layer's policy is :class:`KeptFloat32`: float32, and the mark that it was kept. It
+is saved in the layer's config, so it travels with the model itself: ``model.save``,
+Keras's loader and :func:`kmp.load_model` in any policy keep it float32 and marked (a
+layer whose config the file holds: Sequential and Functional models' layers; the layers a
+subclassed or KerasHub model makes itself come back through :func:`kmp.save_model`'s
+record, :func:`restore_kept`). A quantized layer keeps its quantized policy and carries
+the mark as an attribute (:data:`KEPT_MARK`).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 from typing import Any
 
 import keras
@@ -17,9 +26,45 @@ import keras
 from kmp._names import LOW_FLOATS
 from kmp.layer_walk import walk
 
-__all__ = ["keep_float32"]
+__all__ = ["KeepsFloat32", "KeptFloat32", "keep_float32"]
 
-KEPT_MARK = "_kmp_keep_float32"  # True on the layers keep_float32 kept; the audit reads it
+KEPT_MARK = "_kmp_keep_float32"  # True on a kept quantized layer (others: KeptFloat32)
+# How a kept layer's policy is saved (kmp.load_precision reads it in a config).
+KEPT_POLICY_NAME = "kmp>KeptFloat32"
+
+
+@keras.saving.register_keras_serializable(package="kmp", name="KeptFloat32")
+class KeptFloat32(keras.DTypePolicy):
+    """The policy of a layer :func:`keep_float32` kept: ``"float32"``, marked as kept.
+
+    It computes and stores variables in float32 exactly as ``keras.DTypePolicy("float32")``
+    does; its class is the mark ``kmp.audit`` reads and ``kmp.load_model`` keeps in any
+    policy. Saved in the layer's config as ``"kmp>KeptFloat32"``: Keras's loader reads it
+    once kmp's classes are registered (``import kmp.layers``; :func:`kmp.load_model`
+    does it).
+
+    Args:
+        name: ``"float32"``, the only policy a kept layer has.
+
+    Raises:
+        ValueError: ``name`` is not ``"float32"``.
+    """
+
+    def __init__(self, name: str = "float32") -> None:
+        if name != "float32":
+            raise ValueError(
+                f"KeptFloat32 is the float32 policy of a layer kmp.keep_float32 kept; got "
+                f"{name!r}. Use keras.DTypePolicy({name!r}) for another policy."
+            )
+        super().__init__("float32")
+
+
+def is_kept(layer: Any) -> bool:
+    """Whether :func:`keep_float32` kept ``layer`` (its policy, or a quantized layer's mark)."""
+    policy = getattr(layer, "dtype_policy", None)
+    if isinstance(policy, KeptFloat32):
+        return True
+    return getattr(layer, KEPT_MARK, False) is True and layer.compute_dtype == "float32"
 
 
 def _matches(selector: str | type, layer: Any, path: str) -> bool:
@@ -30,11 +75,21 @@ def _matches(selector: str | type, layer: Any, path: str) -> bool:
 
 
 def _float32_policy(layer: Any) -> Any:
-    """The policy moving ``layer`` to float32 (quantization kept); None when it is not 16-bit."""
-    if layer.compute_dtype not in LOW_FLOATS:
-        return None
+    """The kept policy of ``layer`` (quantization kept); None when it has it already.
+
+    A plain float32 layer (pinned by its author) takes :class:`KeptFloat32` too: same
+    numbers, and the mark.
+    """
     mode = layer.quantization_mode
-    return keras.dtype_policies.get(f"{mode}_from_float32" if mode else "float32")
+    if mode:
+        if layer.compute_dtype not in LOW_FLOATS:
+            return None
+        return keras.dtype_policies.get(f"{mode}_from_float32")
+    if isinstance(layer.dtype_policy, (KeptFloat32, keras.dtype_policies.DTypePolicyMap)):
+        return None
+    if layer.compute_dtype not in LOW_FLOATS and layer.compute_dtype != "float32":
+        return None  # an int32 tokenizer, a string lookup: no float policy to keep
+    return KeptFloat32()
 
 
 def _forget_old_dtypes(models: list) -> None:
@@ -118,12 +173,16 @@ def _keep(kept: list, model: Any, visits: list) -> list[str]:
     changed = []
     for layer, path, policy in plan:
         reverse = getattr(layer, "reverse_dtype", None) in LOW_FLOATS
+        was_low = layer.compute_dtype in LOW_FLOATS
         if policy is not None:
             layer.dtype_policy = policy
         if reverse:
             layer.reverse_dtype = "float32"
-        changed += [path] if policy is not None or reverse else []
-        setattr(layer, KEPT_MARK, layer.compute_dtype == "float32")
+        changed += [path] if was_low or reverse else []
+        if layer.quantization_mode:
+            setattr(layer, KEPT_MARK, layer.compute_dtype == "float32")
+    if plan and isinstance(model, keras.Model) and not isinstance(model, KeepsFloat32):
+        object.__setattr__(model, "__class__", _keeping_class(type(model)))
     if changed:  # ``model.outputs``, ``layer.output`` and fit's traced step say 16 bits
         _forget_old_dtypes([model, *(v.layer for v in visits)])
     return changed
@@ -131,7 +190,7 @@ def _keep(kept: list, model: Any, visits: list) -> list[str]:
 
 def kept_paths(model: Any) -> list[str]:
     """The paths of the layers of ``model`` that :func:`keep_float32` kept, in walk order."""
-    return [v.path for v in walk(model, inputs=False) if getattr(v.layer, KEPT_MARK, False) is True]
+    return [v.path for v in walk(model, inputs=False) if is_kept(v.layer)]
 
 
 def restore_kept(model: Any, paths: Any) -> tuple[list[str], list[str]]:
@@ -154,3 +213,58 @@ def restore_kept(model: Any, paths: Any) -> tuple[list[str], list[str]]:
     _keep(visits, model, every)
     low = [v.path for v in visits if any(w.dtype in LOW_FLOATS for w in v.layer.weights)]
     return sorted(wanted - {v.path for v in visits}), low
+
+
+@keras.saving.register_keras_serializable(package="kmp", name="KeepsFloat32")
+class KeepsFloat32:
+    """Mixin for a model some of whose layers :func:`keep_float32` kept: it saves their paths.
+
+    :func:`keep_float32` moves the model, in place, to ``KeepsFloat32[<its class>]``, a
+    subclass of both (as :class:`kmp.layers.Float32Outputs` does): its class, layers,
+    weights and methods stay; its config wraps the model's own with the kept paths, so
+    ``model.save`` carries them and Keras's loader (once ``kmp.layers`` is imported) keeps
+    those layers float32 and marked again (:func:`restore_kept`), also the layers a
+    subclassed or KerasHub model makes itself. Never instantiate it directly.
+    """
+
+    # The model's own class, set on each subclass (its own name: a model may also be
+    # kmp.layers.Float32Outputs, whose _kmp_base is another class).
+    _kmp_keeps_base: type | None = None
+
+    def get_config(self) -> dict:
+        """The model's own config (``"model"``) and the kept layers' paths."""
+        base = self._kmp_keeps_base
+        return {
+            "model": {
+                "module": base.__module__,
+                "class_name": base.__name__,
+                "config": super().get_config(),  # type: ignore[misc]
+                "registered_name": keras.saving.get_registered_name(base),
+            },
+            "kept_float32": kept_paths(self),
+        }
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: dict | None = None) -> keras.Model:
+        """The model of ``config["model"]``, its kept layers float32 and marked again."""
+        model = keras.saving.deserialize_keras_object(
+            config["model"], custom_objects=custom_objects
+        )
+        restore_kept(model, config.get("kept_float32", ()))
+        return model
+
+
+@functools.cache
+def _keeping_class(base: type) -> type:
+    """The one ``KeepsFloat32`` subclass of ``base`` (created once per class)."""
+    cls = type(
+        base.__name__,
+        (KeepsFloat32, base),
+        {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "_kmp_keeps_base": base,
+        },
+    )
+    # Saved under the mixin's name, whichever class it wraps (from_config dispatches).
+    return keras.saving.register_keras_serializable(package="kmp", name="KeepsFloat32")(cls)

@@ -24,6 +24,7 @@ import keras
 from keras import ops
 
 from kmp._names import LOW_FLOATS
+from kmp.float32_layers import KeptFloat32  # noqa: F401  (registers the kept layers' policy)
 
 __all__ = ["Float32Output", "float32_outputs", "has_float32_outputs"]
 

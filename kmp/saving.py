@@ -26,8 +26,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
-import tempfile
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -37,10 +35,11 @@ import keras
 
 from kmp import rank_weights as _rw
 from kmp import training_state as _ts
+from kmp._checks import check_bool
 from kmp._files import atomic_write
-from kmp._names import POLICY_NAMES, VALID_POLICIES
 from kmp.float32_layers import restore_kept
-from kmp.load_precision import plan_policies, quantized_layers, rewrite_config
+from kmp.load_precision import quantized_layers
+from kmp.policy_load import load_in, policy_name
 
 __all__ = ["load_model", "read_state", "save_model"]
 
@@ -268,63 +267,12 @@ def _follow_world(model: keras.Model, state: Any) -> None:
     warnings.warn(change.note, UserWarning, stacklevel=3)
 
 
-def _policy_name(policy: Any) -> str:
-    """The concrete policy ``load_model(policy=...)`` loads in ("auto": this machine's)."""
-    from kmp.policy import resolve_policy
-
-    if not isinstance(policy, str | keras.DTypePolicy):
-        raise TypeError(
-            f"kmp.load_model(policy=...) takes a policy name ({', '.join(VALID_POLICIES)}) "
-            f"or a keras.DTypePolicy, not {type(policy).__name__} {policy!r}."
-        )
-    name = resolve_policy(policy, None).name
-    if name not in POLICY_NAMES:
-        raise ValueError(
-            f"kmp.load_model(policy={name!r}): load in one of {', '.join(VALID_POLICIES)}; "
-            "a quantized layer keeps its own mode, from the policy chosen."
-        )
-    return name
-
-
-def _copy_with_config(source: str, target: str, config: dict) -> None:
-    """Copy the archive ``source`` to ``target`` with ``config`` as its ``config.json``."""
-    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w") as new:
-        for info in old.infolist():
-            entry = zipfile.ZipInfo(info.filename, info.date_time)
-            entry.compress_type = info.compress_type
-            if info.filename == "config.json":
-                new.writestr(entry, json.dumps(config))
-                continue
-            with old.open(info) as reading, new.open(entry, "w") as writing:
-                shutil.copyfileobj(reading, writing, 1 << 20)
-
-
-def _load_in(path: str, policy: str, state: Any, kwargs: dict) -> keras.Model:
-    """Load the model with every layer in ``policy`` (kept layers float32), uncompiled."""
-    if kwargs.get("compile", False):
-        raise ValueError(
-            f"kmp.load_model({path!r}, policy={policy!r}, compile=True): a model loaded in "
-            "another precision comes back uncompiled (the saved optimizer's state, loss scale "
-            "included, belongs to the precision it trained in). Resume training with "
-            "kmp.load_model(path), or compile the served model yourself."
-        )
-    with _archive(path) as archive:
-        config = json.loads(archive.read("config.json"))
-    kept = state.kept_float32 if state is not None else ()
-    config = rewrite_config(config, plan_policies(config, policy, kept))
-    previous = keras.config.dtype_policy()
-    with tempfile.TemporaryDirectory(prefix="kmp-load-") as folder:
-        copy = os.path.join(folder, "model.keras")
-        _copy_with_config(path, copy, config)
-        keras.config.set_dtype_policy(policy)  # layers the config does not hold follow it
-        try:
-            return keras.saving.load_model(copy, **{**kwargs, "compile": False})
-        finally:
-            keras.config.set_dtype_policy(previous)
-
-
 def load_model(
-    path: str | os.PathLike, policy: str | keras.DTypePolicy | None = None, **kwargs: Any
+    path: str | os.PathLike,
+    policy: str | keras.DTypePolicy | None = None,
+    *,
+    keep_pinned: bool = True,
+    **kwargs: Any,
 ) -> keras.Model:
     """Load a ``.keras`` model with its whole training state, or to serve in a chosen precision.
 
@@ -344,10 +292,11 @@ def load_model(
 
     With ``policy``, every layer computes and stores its variables as that policy
     says, whatever policy it was saved with (:mod:`kmp.load_precision` decides),
-    except the layers ``keep_float32`` kept (float32) and kmp's float32 head
-    (``Float32Output``, ``Float32Outputs``), so the outputs stay float32. The saved
-    weights are cast once, as they are loaded. The saved optimizer is not restored
-    (its state, loss scale included, belongs to the precision it trained in): the
+    except the layers ``keep_float32`` kept and those their author pinned (saved in
+    float32 in a model that trained in 16 bits, ``dtype="float32"``): they stay
+    float32. Outputs that were float32 stay float32 (kmp's float32 head, added where
+    needed). The saved weights are cast once, as they are loaded. The saved optimizer
+    is not restored (its state, loss scale included, belongs to the precision it trained in): the
     model comes back uncompiled, or with what its constructor compiled (KerasHub
     tasks). docs/serving.md is the guide, with the measured differences between
     precisions.
@@ -361,6 +310,8 @@ def load_model(
             ``kmp.enable("auto")`` picks for this machine, see
             :func:`kmp.policy.choose_policy`) or a ``keras.DTypePolicy``. The global
             policy and ``KMP_POLICY`` are not read, nor changed.
+        keep_pinned: With ``policy``: keep the kept and pinned layers in float32
+            (the default); False gives them ``policy`` too (outputs still float32).
         **kwargs: Passed to ``keras.saving.load_model`` (e.g. ``compile=False``:
             the weights without the optimizer).
 
@@ -369,7 +320,8 @@ def load_model(
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        TypeError: ``policy`` is neither a string nor a ``keras.DTypePolicy``.
+        TypeError: ``policy`` is neither a string nor a ``keras.DTypePolicy``;
+            ``keep_pinned`` is not a bool.
         ValueError: Not a ``.keras`` archive; an unknown ``policy`` (the message lists
             the valid names), or one with ``compile=True`` or a legacy ``.h5`` file;
             or the saved optimizer or the random state could not be restored (the
@@ -379,7 +331,8 @@ def load_model(
     import kmp.layers  # registers Float32Output(s)
     import kmp.optimizer  # noqa: F401  (registers the wrapped optimizer)
 
-    name = None if policy is None else _policy_name(policy)
+    check_bool("keep_pinned", keep_pinned)
+    name = None if policy is None else policy_name(policy)
     if os.path.exists(path) and not path.endswith(".keras") and not zipfile.is_zipfile(path):
         if name is not None:
             raise ValueError(f"kmp.load_model({path!r}, policy=...) needs a .keras file.")
@@ -397,7 +350,8 @@ def load_model(
         if name is None:
             model = keras.saving.load_model(path, **kwargs)
         else:
-            model = _load_in(path, name, state, kwargs)
+            kept = state.kept_float32 if state is not None else ()
+            model = load_in(path, saved_config, name, kept, kwargs, keep_pinned)
     if compiling:
         dropped = any(_SKIPPED_OPTIMIZER in text for text in noted)
         if _keras_skips_compile(model) or dropped:
@@ -412,7 +366,8 @@ def load_model(
         if compiling:
             _follow_world(model, state)
             setattr(model, _ts.LOADED_STATE, state)  # AtomicCheckpoint resumes from it
-        _restore_kept(model, path, state, policy=name)
+        if name is None or keep_pinned:
+            _restore_kept(model, path, state, policy=name)
     elif compiling and _ts.seed_states(model):
         warnings.warn(
             f"{path!r} holds no kmp training state (model.save wrote it, not kmp.save_model "

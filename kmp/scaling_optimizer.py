@@ -27,7 +27,7 @@ from keras import ops
 
 from kmp import distributed
 from kmp import loss_scale as _ls
-from kmp._keras_internals import untracked
+from kmp._keras_internals import is_tracer, stateless_value, untracked
 from kmp._version import __version__
 from kmp.accumulation import GradientAccumulation
 from kmp.compensated import CompensatedUpdates
@@ -36,6 +36,7 @@ from kmp.distributed.buckets import payload_bytes
 from kmp.distributed.collectives import check_averaging_runtime, gradients_need_allreduce
 from kmp.learning_rate import rescale_learning_rate
 from kmp.optimizer_settings import OptimizerSettings
+from kmp.scale_guard import ScaleGuard, refusal, stale_scale
 
 __all__ = ["DistributedLossScaleOptimizer"]
 
@@ -95,6 +96,7 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
         self.underflow_share_variable: keras.Variable | None = None
         self._payload_bytes = 0
         self._own_index: dict[int, int] = {}
+        self.scale_guard = ScaleGuard()  # refuses a step that never called scale_loss
 
     @property
     def loss_scale_mode(self) -> str:
@@ -218,13 +220,36 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
             variable.assign(0.0 if variable is share else next(saved))
 
     def scale_loss(self, loss: Any) -> Any:
-        """Multiply ``loss`` by the current loss scale (returned unchanged when not scaling)."""
+        """Multiply ``loss`` by the current loss scale (returned unchanged when not scaling).
+
+        Call it in every step before taking gradients: :meth:`apply` refuses gradients
+        of a step that never did (:mod:`kmp.scale_guard`).
+        """
         rule = self.loss_scale_rule
         if not rule.scaling:
             return loss
+        stale = stale_scale(
+            backend=keras.backend.backend(),
+            dynamic=rule.dynamic,
+            traced=is_tracer(loss),
+            in_state=self.built and stateless_value(self.dynamic_scale) is not None,
+        )
+        if stale is not None:
+            raise RuntimeError(refusal(stale, self._described, rule.initial_scale))
+        self.scale_guard.scaled()
         if rule.dynamic and self.built:
             return ops.multiply(loss, self.dynamic_scale)
         return ops.multiply(loss, rule.initial_scale)
+
+    @property
+    def _described(self) -> str:
+        return f"the loss-scaling optimizer around {self.inner_optimizer.name!r}"
+
+    def _judge_step(self) -> None:
+        """Raise when this step's gradients come from a loss :meth:`scale_loss` never scaled."""
+        reason = self.scale_guard.applying(scaling=self.loss_scale_rule.scaling)
+        if reason is not None:
+            raise RuntimeError(refusal(reason, self._described, self.loss_scale_rule.initial_scale))
 
     def _unscale(self, grads: list, variables: list, scale: Any) -> list:
         if not self.loss_scale_rule.scaling:
@@ -290,6 +315,7 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
                 f"Got {len(grads)} gradients for {len(variables)} variables; pass one gradient "
                 "per variable, in the same order."
             )
+        self._judge_step()
         if not grads:
             return
         if self.settings.backward_passes_per_step == 1:
@@ -340,6 +366,7 @@ class DistributedLossScaleOptimizer(GradientAccumulation, keras.optimizers.LossS
                 "(TensorFlow, PyTorch). On JAX, set `gradient_accumulation_steps` on the inner "
                 "optimizer instead."
             )
+        self._judge_step()
         grads = list(grads)
         n_own = len(self._variables)
         own = list(optimizer_variables[:n_own])

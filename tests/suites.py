@@ -16,6 +16,7 @@ JAX_RERUN = (
     "tests/test_auditing.py",
     "tests/test_probing.py",
     "tests/test_master_weights.py",  # the stateless path (its 2-process runs: not here)
+    "tests/test_scale_guard.py",  # keras.io's JAX train_step
 )
 
 CORE_TESTS = (

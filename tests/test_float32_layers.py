@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import kmp
+from kmp.float32_layers import is_kept
 from kmp.layer_walk import walk
 from kmp.layers import Float32Output
 from tests.test_layers import GPU_HW, sequential  # the same fixtures as kmp.layers' tests
@@ -247,7 +248,7 @@ def test_keep_float32_errors_change_nothing():
     with pytest.raises(ValueError, match="'Embedding' matches no layer"):
         kmp.keep_float32(model, keras.layers.Embedding)
     assert computes(model) == before  # nothing was half applied
-    assert not any(getattr(x, "_kmp_keep_float32", False) for x in model._flatten_layers())
+    assert not any(is_kept(x) for x in model._flatten_layers())
 
 
 def test_keep_float32_lists_ten_layers_in_its_error():

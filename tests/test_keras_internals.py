@@ -100,3 +100,21 @@ def test_compute_output_spec_and_untracked_attributes():
     holder = Holder()
     holder.remember([keras.layers.Dense(2)])
     assert isinstance(holder.kept, list) and not holder._layers  # not tracked as sublayers
+
+
+def test_the_stateless_scope_in_force_is_read():
+    variable, other = keras.Variable(1.0), keras.Variable(2.0)
+    assert internals.stateless_value(variable) is None  # no scope
+    with keras.StatelessScope(state_mapping=[(variable, keras.ops.convert_to_tensor(3.0))]):
+        assert float(internals.stateless_value(variable)) == 3.0
+        assert internals.stateless_value(other) is None  # not in the mapping
+
+
+def test_a_jax_tracer_is_told_apart():
+    assert not internals.is_tracer(keras.ops.ones(2)) and not internals.is_tracer(1.0)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        seen = []
+        jax.jit(lambda x: seen.append(internals.is_tracer(x)) or x)(keras.ops.ones(2))
+        assert seen == [True]

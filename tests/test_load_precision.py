@@ -127,16 +127,17 @@ def test_loaded_in_mixed_bfloat16_the_audit_sees_the_kept_layer(trained, tmp_pat
     assert difference(model, predictions) < BOUNDS["mixed_bfloat16"]
     keras.config.set_dtype_policy("mixed_bfloat16")
     assert not [f for f in kmp.audit(model).findings if f.code == "policy-mismatch"]
-    # Without kmp's record (a file written by model.save) the layer is not known as kept:
-    # served in a policy it follows it, and loaded as saved the audit reports its float32.
+    # Without kmp's record (the state entry left out, as model.save writes the file) the
+    # mark travels in the layer's config and the model's: kept on every load, and shown.
     plain = tmp_path / "plain.keras"
     with zipfile.ZipFile(path) as old, zipfile.ZipFile(plain, "w") as new:
         for name in old.namelist():
             if name != "kmp_state.json":
                 new.writestr(name, old.read(name))
-    assert layers_of(kmp.load_model(plain, "mixed_bfloat16"))[KEPT][0] == "bfloat16"
-    unmarked = kmp.load_model(plain, compile=False)
-    assert KEPT in [f.layer for f in kmp.audit(unmarked).findings if f.code == "policy-mismatch"]
+    assert layers_of(kmp.load_model(plain, "mixed_bfloat16"))[KEPT][0] == "float32"
+    for loaded in (kmp.load_model(plain, compile=False), keras.saving.load_model(plain)):
+        assert layers_of(loaded)[KEPT][0] == "float32"
+        assert [r.name for r in kmp.audit(loaded).rows if r.kept_float32] == [KEPT]
 
 
 def test_policy_none_loads_as_saved(trained):
@@ -251,11 +252,17 @@ def test_a_subclassed_model_loads_in_another_precision(tmp_path):
     out = served(x)
     assert out.dtype == "float32"
     assert np.max(np.abs(keras.ops.convert_to_numpy(out) - reference)) < 1e-2
-    # Pure bfloat16: the kept layer (built by Net itself) computes in float32 from bfloat16
-    # weights, and load_model says so.
-    with pytest.warns(UserWarning, match="16-bit variables"):
+    # Pure bfloat16: the kept layer (built by Net itself) is kept by the model's own config
+    # (KeepsFloat32) before it builds, so its weights are float32 too: nothing to warn about.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
         pure = kmp.load_model(tmp_path / "net.keras", "bfloat16")
-    assert layers_of(pure)[KEPT] == ("float32", {"bfloat16"})
+    assert layers_of(pure)[KEPT] == ("float32", {"float32"})
+    assert layers_of(pure)["dense"] == ("bfloat16", {"bfloat16"})
+    # Keras's own loader keeps it too, and kmp.audit shows it as kept.
+    loaded = keras.saving.load_model(tmp_path / "net.keras")
+    assert layers_of(loaded)[KEPT][0] == "float32"
+    assert [r.name for r in kmp.audit(loaded).rows if r.kept_float32] == [KEPT]
 
 
 def test_a_keras_application_loads_in_another_precision(tmp_path):
@@ -299,3 +306,129 @@ def test_a_kerashub_task_loads_in_another_precision(tmp_path):
     layers = layers_of(mixed)
     assert all(layers[p][0] == "float32" for p in kept)
     assert layers["gpt2_backbone/token_embedding"][0] == "float16"
+
+
+# ------------------------------------------ layers pinned by their author (issue 56)
+
+
+@pytest.fixture(scope="module")
+def pinned(tmp_path_factory):
+    """The Keras guide's way: a mixed_float16 Functional model with a float32 norm and
+    softmax, trained a few steps and saved with Keras's model.save."""
+    keras.utils.set_random_seed(0)
+    with kmp.policy_scope("mixed_float16", hardware=GPU_HW):
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(32, activation="relu", name="dense")(inputs)
+        hidden = keras.layers.LayerNormalization(dtype="float32", name="ln")(hidden)
+        logits = keras.layers.Dense(4, name="logits")(hidden)
+        outputs = keras.layers.Activation("softmax", dtype="float32", name="softmax")(logits)
+        model = keras.Model(inputs, outputs)
+        model.compile(
+            kmp.wrap_optimizer(keras.optimizers.Adam(1e-2)), "sparse_categorical_crossentropy"
+        )
+        model.fit(X, Y, epochs=2, batch_size=16, verbose=0)
+        path = tmp_path_factory.mktemp("pinned") / "guide.keras"
+        model.save(path)
+    return path, keras.ops.convert_to_numpy(model(X))
+
+
+@pytest.mark.parametrize("policy", ["bfloat16", "mixed_bfloat16", "float16"])
+def test_layers_pinned_with_dtype_float32_stay_float32(pinned, policy):
+    path, predictions = pinned
+    served = kmp.load_model(path, policy=policy)
+    computes = {name: compute for name, (compute, _) in layers_of(served).items()}
+    low = policy.removeprefix("mixed_")
+    assert computes == {"dense": low, "ln": "float32", "logits": low, "softmax": "float32"}
+    out = served(X)
+    assert out.dtype == "float32"
+    assert np.max(np.abs(keras.ops.convert_to_numpy(out) - predictions)) < BOUNDS[policy]
+
+
+def test_keep_pinned_false_casts_them_and_keeps_float32_outputs(pinned):
+    path, predictions = pinned
+    served = kmp.load_model(path, policy="bfloat16", keep_pinned=False)
+    computes = {name: compute for name, (compute, _) in layers_of(served).items()}
+    # The softmax became kmp's float32 head, so the outputs keep their dtype.
+    assert computes == {
+        "dense": "bfloat16",
+        "ln": "bfloat16",
+        "logits": "bfloat16",
+        "softmax_float32": "float32",
+    }
+    assert served(X).dtype == "float32"
+    assert np.max(np.abs(keras.ops.convert_to_numpy(served(X)) - predictions)) < 5e-2
+    with pytest.raises(TypeError, match="keep_pinned"):
+        kmp.load_model(path, policy="bfloat16", keep_pinned="no")
+
+
+def test_a_float32_model_served_in_16_bits_keeps_float32_outputs(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(8), keras.layers.Dense(4, activation="softmax")]
+    )
+    model.save(tmp_path / "f32.keras")
+    served = kmp.load_model(tmp_path / "f32.keras", policy="bfloat16")
+    assert {c for c, _ in layers_of(served).values()} == {"bfloat16", "float32"}  # + the head
+    assert served(X).dtype == "float32"
+
+
+def layer(name, dtype, **more):
+    """A saved layer config whose policy is ``dtype`` (as Keras 3.4+ saves it)."""
+    policy = {"module": "keras", "class_name": "DTypePolicy", "config": {"name": dtype}}
+    return {"class_name": "L", "config": {"name": name, "dtype": policy, **more}}
+
+
+def test_what_the_model_trained_in_and_what_is_pinned_are_read_from_the_config():
+    from kmp.load_precision import computes_in_16_bits
+
+    def functional(*dtypes):
+        layers = [layer(f"l{i}", d) for i, d in enumerate(dtypes)]
+        return {"class_name": "Functional", "config": {"name": "f", "layers": layers}}
+
+    assert computes_in_16_bits(functional("mixed_float16", "float32", "float32", "mixed_float16"))
+    assert not computes_in_16_bits(functional("float32", "float32", "mixed_float16"))
+    assert computes_in_16_bits(layer("seq", "mixed_bfloat16", layers=[layer("a", "float32")]))
+    # In a float32 model nothing is pinned; in a 16-bit one, float32 layers are.
+    assert plan_policies(functional("float32", "float32", "mixed_float16"), "bfloat16") == {
+        "l0": "bfloat16",
+        "l1": "bfloat16",
+        "l2": "bfloat16",
+    }
+    mixed = functional("mixed_float16", "float32")
+    assert plan_policies(mixed, "bfloat16") == {"l0": "bfloat16", "l1": "float32"}
+    assert plan_policies(mixed, "bfloat16", keep_pinned=False) == {
+        "l0": "bfloat16",
+        "l1": "bfloat16",
+    }
+
+
+def test_whether_the_outputs_were_float32_is_read_from_the_config():
+    from kmp.load_precision import forget_kept, outputs_were_float32
+
+    def functional(out_dtype, head=False):
+        last = (
+            {"class_name": "Float32Output", "config": {"name": "out"}}
+            if head
+            else layer("out", out_dtype)
+        )
+        config = {
+            "name": "f",
+            "layers": [layer("a", "mixed_float16"), last],
+            "output_layers": ["out", 0, 0],
+        }
+        return {"class_name": "Functional", "config": config}
+
+    assert outputs_were_float32(functional("float32"))
+    assert not outputs_were_float32(functional("mixed_float16"))
+    assert outputs_were_float32(functional(None, head=True))
+    keeps = {
+        "registered_name": "kmp>KeepsFloat32",
+        "config": {"model": functional("float32"), "kept_float32": ["a"]},
+    }
+    assert outputs_were_float32(keeps)
+    assert forget_kept(keeps)["config"]["kept_float32"] == [] and keeps["config"][
+        "kept_float32"
+    ] == ["a"]
+    subclassed = {"class_name": "Net", "config": layer("n", "mixed_float16")["config"]}
+    assert outputs_were_float32(subclassed) is False
+    assert outputs_were_float32({"class_name": "Net", "config": {"name": "n"}}) is None

@@ -162,7 +162,12 @@ def test_stateful_tensorflow_path_matches_reference(kind, knobs, steps):
     opt = DistributedLossScaleOptimizer(keras.optimizers.SGD(1.0), loss_scale_rule=rule)
     w = keras.Variable(np.zeros(3, "float32"))
     opt.build([w])
-    step = tf.function(lambda g: opt.apply([g], [w]))
+
+    def step(g):  # the gradients stand for a scaled loss's
+        opt.scale_guard.scaled()
+        opt.apply([g], [w])
+
+    step = tf.function(step)
     rows, shares = [], []
     for gradient in steps:
         step(tf.constant(_scaled(gradient, opt.loss_scale)))  # the gradient of a scaled loss
@@ -202,7 +207,11 @@ for kind, knobs, steps in cases:
     slots = [index[id(v)] for v in (opt.dynamic_scale, opt.skipped_steps_counter,
                                     opt.step_counter, opt.overflow_streak_counter)]
     ov, tv = [v.value for v in opt.variables], [w.value]
-    step = jax.jit(lambda ov, tv, g: opt.stateless_apply(ov, [g], tv))
+    def step(ov, tv, g):  # the gradients stand for a scaled loss's
+        opt.scale_guard.scaled()
+        return opt.stateless_apply(ov, [g], tv)
+
+    step = jax.jit(step)
     rows = []
     for gradient in steps:
         scale = ov[slots[0]]

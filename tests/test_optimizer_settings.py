@@ -299,6 +299,7 @@ def test_keras_loss_scale_optimizer_attributes_read_without_warnings():
     keras.config.set_dtype_policy("mixed_float16")
     opt = wrap_optimizer(keras.optimizers.SGD(0.1), growth_interval=2, initial_scale=64.0)
     var = keras.Variable(np.ones(3, "float32"))
+    opt.scale_guard.scaled()  # these gradients stand for a scaled loss's
     opt.apply([keras.ops.ones(3)], [var])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -306,6 +307,7 @@ def test_keras_loss_scale_optimizer_attributes_read_without_warnings():
         scale, steps = opt.dynamic_scale, opt.step_counter
         assert (opt.initial_scale, opt.dynamic_growth_steps) == (64.0, 2)
     assert float(scale.numpy()) == opt.loss_scale == 64.0 and int(steps.numpy()) == 1
+    opt.scale_guard.scaled()  # these gradients stand for a scaled loss's
     opt.apply([keras.ops.ones(3)], [var])
     assert float(scale.numpy()) == 128.0 and int(steps.numpy()) == 0
 

@@ -104,8 +104,15 @@ FACES: dict[str, set[str]] = {
         "policy_scope",
     },
     "kmp.layers": {"Float32Output", "float32_outputs", "has_float32_outputs"},
-    "kmp.float32_layers": {"keep_float32"},
-    "kmp.load_precision": {"plan_policies", "quantized_layers", "rewrite_config"},
+    "kmp.float32_layers": {"KeepsFloat32", "KeptFloat32", "keep_float32"},
+    "kmp.load_precision": {
+        "computes_in_16_bits",
+        "forget_kept",
+        "outputs_were_float32",
+        "plan_policies",
+        "quantized_layers",
+        "rewrite_config",
+    },
     "kmp.probing": {"ProbeReport", "probe"},
     "kmp.auditing": {"AuditReport", "audit"},
     "kmp.elastic": {

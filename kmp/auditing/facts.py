@@ -15,7 +15,7 @@ import keras
 from kmp._names import LOW_FLOATS
 from kmp.auditing.measured import MeasuredChecks
 from kmp.auditing.report import UNKNOWN, LayerFacts, LayerRow
-from kmp.float32_layers import KEPT_MARK
+from kmp.float32_layers import is_kept
 from kmp.layer_walk import Visit
 from kmp.layers import Float32Output, activation_name
 
@@ -69,6 +69,7 @@ def layer_row(v: Visit) -> LayerRow:
         UNKNOWN if variables is None else (",".join(variables) or "-"),
         _output_dtype(layer),
         _params(layer),
+        _safe(lambda: is_kept(layer), False),
     )
 
 
@@ -160,7 +161,7 @@ def layer_facts(
         softmax_computes=softmaxes,
         in_float32_parent=any(_compute(p) == "float32" for p in v.parents),
         parent_policy=str(_safe(lambda: v.parents[-1].dtype_policy.name)) if v.parents else None,
-        kept_float32=compute == "float32" and getattr(layer, KEPT_MARK, False) is True,
+        kept_float32=compute == "float32" and is_kept(layer),
         problem=None if compute != UNKNOWN else "its compute dtype cannot be read",
     )
     inside_attention = any("attention" in _kinds(p, None) for p in v.parents)

@@ -87,6 +87,7 @@ class LayerRow:
     variable_dtype: str
     output_dtype: str
     params: int
+    kept_float32: bool = False  # kmp.keep_float32 kept it: the table says "float32 (kept)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +186,7 @@ class AuditReport:
             (
                 r.name,
                 r.class_name,
-                r.compute_dtype,
+                f"{r.compute_dtype} (kept)" if r.kept_float32 else r.compute_dtype,
                 r.variable_dtype,
                 r.output_dtype,
                 f"{r.params:,}",

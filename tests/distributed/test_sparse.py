@@ -176,6 +176,7 @@ def test_sparse_gradients_are_checked_unscaled_and_skipped():
     plain = keras.optimizers.SGD(0.5)
     grads = grads_of(model, X, Y, scale=opt.loss_scale)
     assert sparse.is_sparse(grads[0])
+    opt.scale_guard.scaled()  # grads_of scaled the loss by opt.loss_scale
     opt.apply(grads, model.trainable_variables)
     plain.apply(grads_of(ref, X, Y), ref.trainable_variables)
     for a, b in zip(model.get_weights(), ref.get_weights(), strict=True):
@@ -184,6 +185,7 @@ def test_sparse_gradients_are_checked_unscaled_and_skipped():
     bad = grads_of(model, X, Y, scale=opt.loss_scale)
     bad[0] = tf.IndexedSlices(bad[0].values + np.inf, bad[0].indices, bad[0].dense_shape)
     assert not bool(opt.check_finite(bad)) and bool(opt.check_finite(grads))
+    opt.scale_guard.scaled()
     opt.apply(bad, model.trainable_variables)
     assert (opt.skipped_steps, opt.loss_scale) == (1, 2.0**14)
     for a, b in zip(model.get_weights(), before, strict=True):
