@@ -11,8 +11,8 @@ is saved in the layer's config, so it travels with the model itself: ``model.sav
 Keras's loader and :func:`kmp.load_model` in any policy keep it float32 and marked (a
 layer whose config the file holds: Sequential and Functional models' layers; the layers a
 subclassed or KerasHub model makes itself come back through :func:`kmp.save_model`'s
-record, :func:`restore_kept`). A quantized layer keeps its quantized policy and carries
-the mark as an attribute (:data:`KEPT_MARK`).
+record, :func:`restore_kept`). A quantized layer keeps its quantized policy; the mark is
+also an attribute (:data:`KEPT_MARK`), which a later ``model.quantize`` keeps.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kmp.layer_walk import walk
 
 __all__ = ["KeepsFloat32", "KeptFloat32", "keep_float32"]
 
-KEPT_MARK = "_kmp_keep_float32"  # True on a kept quantized layer (others: KeptFloat32)
+KEPT_MARK = "_kmp_keep_float32"  # True on a kept layer (kept across quantize(); not saved)
 # How a kept layer's policy is saved (kmp.load_precision reads it in a config).
 KEPT_POLICY_NAME = "kmp>KeptFloat32"
 
@@ -40,7 +40,7 @@ class KeptFloat32(keras.DTypePolicy):
     It computes and stores variables in float32 exactly as ``keras.DTypePolicy("float32")``
     does; its class is the mark ``kmp.audit`` reads and ``kmp.load_model`` keeps in any
     policy. Saved in the layer's config as ``"kmp>KeptFloat32"``: Keras's loader reads it
-    once kmp's classes are registered (``import kmp.layers``; :func:`kmp.load_model`
+    once kmp's classes are registered (``import kmp.saving``; :func:`kmp.load_model`
     does it).
 
     Args:
@@ -179,8 +179,8 @@ def _keep(kept: list, model: Any, visits: list) -> list[str]:
         if reverse:
             layer.reverse_dtype = "float32"
         changed += [path] if was_low or reverse else []
-        if layer.quantization_mode:
-            setattr(layer, KEPT_MARK, layer.compute_dtype == "float32")
+        # The policy is the mark that is saved; the attribute outlives a later quantize().
+        setattr(layer, KEPT_MARK, layer.compute_dtype == "float32")
     if plan and isinstance(model, keras.Model) and not isinstance(model, KeepsFloat32):
         object.__setattr__(model, "__class__", _keeping_class(type(model)))
     if changed:  # ``model.outputs``, ``layer.output`` and fit's traced step say 16 bits

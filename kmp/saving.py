@@ -40,6 +40,12 @@ from kmp._files import atomic_write
 from kmp.float32_layers import restore_kept
 from kmp.load_precision import quantized_layers
 from kmp.policy_load import load_in, policy_name
+from kmp.scaling_optimizer import DistributedLossScaleOptimizer
+
+# kmp's Keras classes are registered once this module is imported (Keras's loader needs
+# them): the optimizer above, and the layers and kept marks through kmp.policy_load's
+# import of kmp.layers. "import kmp.saving" is enough before keras.saving.load_model.
+REGISTERED = (DistributedLossScaleOptimizer,)
 
 __all__ = ["load_model", "read_state", "save_model"]
 
@@ -328,8 +334,6 @@ def load_model(
             message says what to do).
     """
     path = os.fspath(path)
-    import kmp.layers  # registers Float32Output(s)
-    import kmp.optimizer  # noqa: F401  (registers the wrapped optimizer)
 
     check_bool("keep_pinned", keep_pinned)
     name = None if policy is None else policy_name(policy)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import keras
@@ -10,10 +11,11 @@ from kmp import distributed
 from kmp._checks import check_int
 from kmp.callbacks._ranks import model_optimizer, world_size
 from kmp.callbacks.resume import warn_unclaimed
-from kmp.distributed.collectives import unique_variables
+from kmp.distributed.collectives import gradients_need_allreduce, unique_variables
 from kmp.rank_weights import rank_local
+from kmp.scaling_optimizer import DistributedLossScaleOptimizer
 
-__all__ = ["BroadcastInitialState"]
+__all__ = ["BroadcastInitialState", "check_horovod_fit"]
 
 
 class BroadcastInitialState(keras.callbacks.Callback):
@@ -25,6 +27,11 @@ class BroadcastInitialState(keras.callbacks.Callback):
     when Keras has not built them yet (Keras 3 creates them lazily), so that
     slots such as Adam's moments, the iteration count and the loss scale are
     broadcast as well. In a single process it only builds the optimizer.
+
+    On several Horovod ranks it also checks the fit it starts (:func:`check_horovod_fit`):
+    an optimizer that does not average the gradients is refused, and a train step
+    compiled with XLA (``jit_compile=True``, or Keras's ``"auto"`` on a GPU) is compiled
+    again without it, with a warning.
 
     Args:
         root: Rank whose state is copied to the others.
@@ -64,6 +71,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
         size = world_size()
         if size == 1:
             return
+        check_horovod_fit(self.model)
         if self.root >= size:
             raise ValueError(
                 f"BroadcastInitialState(root={self.root}) but only {size} ranks run: "
@@ -78,3 +86,43 @@ class BroadcastInitialState(keras.callbacks.Callback):
     def get_config(self) -> dict[str, Any]:
         """Return the constructor arguments."""
         return {"root": self.root}
+
+
+def check_horovod_fit(model: keras.Model) -> None:
+    """Refuse a multi-rank Horovod ``fit`` whose ranks would drift apart; keep XLA off its step.
+
+    Only kmp's optimizer averages the gradients over Horovod ranks: with any other (a plain
+    Keras optimizer, which ``compile(auto_scale_loss=True)`` wraps in Keras's own
+    ``LossScaleOptimizer``) each rank trains on its own data alone and the ranks diverge
+    while the averaged logs hide it. Horovod's collectives have no XLA kernels, so a train
+    step compiled with XLA cannot hold the optimizer's allreduce: it is compiled again
+    without XLA (what :func:`kmp.xla.step_jit_compile` gives on TensorFlow), with a
+    warning naming :func:`kmp.xla.jit_gradients` for XLA on the forward and backward pass.
+    Nothing to check on the JAX engine, which averages in its own step.
+
+    Raises:
+        TypeError: The model's optimizer is not kmp's.
+    """
+    if not gradients_need_allreduce():
+        return
+    optimizer = model.optimizer
+    if not isinstance(optimizer, DistributedLossScaleOptimizer):
+        raise TypeError(
+            f"model.fit on {distributed.size()} Horovod ranks with a "
+            f"{type(optimizer).__name__}, which does not average the gradients over the ranks: "
+            "each rank would train alone on its shard and the ranks would drift apart "
+            "(the averaged logs would hide it). Compile with kmp's optimizer: "
+            "model.compile(optimizer=kmp.wrap_optimizer(keras.optimizers.Adam(...)), ...)."
+        )
+    if getattr(model, "jit_compile", False):
+        warnings.warn(
+            "model.compile(jit_compile=True) (Keras's 'auto' is True on a GPU): Horovod's "
+            "allreduce has no XLA kernels, so kmp compiles the train step again without XLA "
+            "(kmp.xla.step_jit_compile() gives False on TensorFlow; pass it to compile to "
+            "silence this). For XLA on the forward and backward pass, use "
+            "kmp.xla.jit_gradients(model).",
+            UserWarning,
+            stacklevel=2,
+        )
+        model.jit_compile = False
+        model.make_train_function(force=True)

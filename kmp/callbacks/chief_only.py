@@ -55,13 +55,16 @@ class ChiefOnly(keras.callbacks.Callback):
     """Run a callback on the chief (rank 0) only.
 
     For callbacks that write files or print: ``ModelCheckpoint``,
-    ``TensorBoard``, ``CSVLogger``, ``BackupAndRestore``. On other ranks every
+    ``TensorBoard``, ``CSVLogger``. On other ranks every
     hook, ``set_model`` included, does nothing. The rank is checked at each
     call, so the wrapper can be made before ``kmp.distributed.init()``.
 
     Do not wrap callbacks that change training (EarlyStopping,
     ReduceLROnPlateau, LearningRateScheduler): every rank must take the same
     decisions, so run those on all ranks after :class:`MetricAverage`.
+    ``BackupAndRestore`` is refused: it restores as well as writes, and a backup
+    restored on the chief alone would leave the other ranks at the start (use
+    :class:`kmp.callbacks.AtomicCheckpoint`, or one ``backup_dir`` per rank).
 
     Wrap a ``ProgbarLogger`` with :func:`chief_only`, which returns a wrapper
     that Keras still recognises as the progress bar (``ChiefOnly`` itself
@@ -88,6 +91,14 @@ class ChiefOnly(keras.callbacks.Callback):
                 f"ChiefOnly expects a keras.callbacks.Callback instance, got "
                 f"{type(callback).__name__}. Wrap a Keras callback, e.g. "
                 "ChiefOnly(keras.callbacks.CSVLogger('log.csv'))."
+            )
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            raise TypeError(
+                "ChiefOnly(BackupAndRestore(...)): BackupAndRestore restores as well as "
+                "writes, and restored on the chief alone the other ranks would start over "
+                "and drift apart. Use kmp.callbacks.AtomicCheckpoint (every rank resumes, "
+                "also mid-epoch; see docs/checkpoints.md), or give every rank its own folder: "
+                "BackupAndRestore(backup_dir=f'backup/rank{kmp.distributed.rank()}')."
             )
         if isinstance(callback, keras.callbacks.History):
             raise TypeError(

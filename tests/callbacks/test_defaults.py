@@ -130,3 +130,8 @@ def test_callbacks_across_two_processes(tmp_path):
     assert r0["verbosity"] == "auto" and r1["verbosity"] == 0
     # The chief's CSV log holds the averaged metrics.
     assert r0["csv_last_loss"] == pytest.approx(r0["avg"][-1]["loss"], rel=1e-9)
+    # A multi-rank Horovod fit: a plain optimizer is refused (it would not average), and a
+    # step compiled with XLA is compiled again without it, the ranks identical after.
+    for r in results:
+        assert "does not average the gradients" in r["plain_refused"]
+        assert r["jit_warned"] and not r["jit_after"] and r["jit_diff"] == 0.0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import keras
@@ -76,14 +77,19 @@ def main() -> None:
         [keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)]
     )
     # Loss-scale state differs between ranks too, until the broadcast.
-    opt = keras.optimizers.LossScaleOptimizer(
-        keras.optimizers.Adam(0.01), initial_scale=2.0 ** (10 + 2 * rank)
+    opt = kmp.wrap_optimizer(
+        keras.optimizers.Adam(0.01),
+        # Taken as it is (float32 alone would mean no scaling); overflows only move it.
+        loss_scale=kmp.LossScale(
+            "dynamic", initial_scale=2.0 ** (10 + 2 * rank), underflow_threshold=None
+        ),
+        scale_lr=False,
     )
     model.compile(optimizer=opt, loss="mse", metrics=["mae"])
     # Give each rank different optimizer state (moments, iteration count).
     opt.build(model.trainable_variables)
-    for _ in range(rank + 1):
-        opt.apply([tf.random.normal(v.shape) for v in model.trainable_variables])
+    for _ in range(rank + 1):  # the inner optimizer: kmp's would average over the ranks
+        opt.inner_optimizer.apply([tf.random.normal(v.shape) for v in model.trainable_variables])
 
     result = {
         "diff_before": max_rank_diff(hvd, tf, model.get_weights()),
@@ -130,6 +136,26 @@ def main() -> None:
         header, *rows = csv.read_text().splitlines()
         result["csv_last_loss"] = float(rows[-1].split(",")[header.split(",").index("loss")])
     result["verbosity"] = kcb.verbosity()
+
+    # A plain Keras optimizer would not average over the ranks: refused at the start.
+    plain = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    plain.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    try:
+        plain.fit(x, y, epochs=1, verbose=0, callbacks=[kcb.BroadcastInitialState()])
+    except TypeError as exc:
+        result["plain_refused"] = str(exc)
+    # A step compiled with XLA cannot hold Horovod's allreduce: compiled again without it.
+    keras.utils.set_random_seed(7 + rank)
+    jit = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    jit.compile(
+        optimizer=kmp.wrap_optimizer(keras.optimizers.SGD(0.01)), loss="mse", jit_compile=True
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jit.fit(x, y, epochs=1, verbose=0, callbacks=[kcb.BroadcastInitialState()])
+    result["jit_warned"] = any("no XLA kernels" in str(w.message) for w in caught)
+    result["jit_after"] = bool(jit.jit_compile)
+    result["jit_diff"] = max_rank_diff(hvd, tf, jit.get_weights())
     write_result(rank, result)
 
 
