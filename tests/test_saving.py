@@ -9,28 +9,44 @@ import kmp
 from kmp.hardware import GPU, Hardware
 
 
-def test_load_model_in_a_fresh_process(tmp_path):
+@pytest.mark.parametrize(
+    "load",
+    [
+        "import kmp; m = kmp.load_model(p)",
+        "import keras, kmp.saving; m = keras.saving.load_model(p)",
+    ],
+    ids=["kmp.load_model", "keras.saving.load_model"],
+)
+def test_load_model_in_a_fresh_process(tmp_path, load):
+    """kmp's loader, or Keras's after the one import that registers every kmp class."""
     kmp.enable("mixed_float16", hardware=Hardware(gpus=(GPU("v100", (7, 0)),)))
     model = kmp.float32_outputs(
-        keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(4, name="d"),
+                keras.layers.Dense(3, activation="softmax"),
+            ]
+        )
     )
+    kmp.keep_float32(model, "d")
     model.compile(optimizer=kmp.wrap_optimizer(keras.optimizers.SGD(0.1)), loss="mse")
     model.fit(np.ones((8, 4), "float32"), np.ones((8, 3), "float32"), verbose=0)
     path = tmp_path / "m.keras"
-    model.save(path)
+    kmp.save_model(model, path)
     code = (
-        "import sys, kmp; m = kmp.load_model(sys.argv[1]); "
-        "print(type(m.layers[-1]).__name__, type(m.optimizer).__name__)"
+        f"import sys; p = sys.argv[1]; {load}; o = m.optimizer; "
+        "print(type(m.layers[-1]).__name__, type(o).__name__, int(o.iterations), o.loss_scale, "
+        "type(m.get_layer('d').dtype_policy).__name__)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    head, opt = out.stdout.split()[-2:]
-    assert head == "Float32Output"
-    assert (
-        isinstance(model.optimizer, type(model.optimizer)) and opt == type(model.optimizer).__name__
-    )
+    head, opt, steps, scale, kept = out.stdout.split()[-5:]
+    assert head == "Float32Output" and opt == "DistributedLossScaleOptimizer"
+    assert (int(steps), float(scale)) == (1, model.optimizer.loss_scale)  # the state came back
+    assert kept == "KeptFloat32"
 
 
 def test_missing_file_is_a_clear_error(tmp_path):
