@@ -185,7 +185,7 @@ def markdown(payload: dict) -> str:
         [
             r["policy"],
             "yes" if r["scale_loss"] else "no",
-            r.get("accuracy", "-"),
+            f"{r['accuracy']:.4f}" if "accuracy" in r else "-",
             r.get("loss_scale", "-"),
             r.get("ranks_identical", "-"),
             r.get("error", "")[:90],
