@@ -18,11 +18,11 @@ also an attribute (:data:`KEPT_MARK`), which a later ``model.quantize`` keeps.
 from __future__ import annotations
 
 import fnmatch
-import functools
 from typing import Any
 
 import keras
 
+from kmp._model_mixins import mixin_class, move_to, wrapped_config
 from kmp._names import LOW_FLOATS
 from kmp.layer_walk import walk
 
@@ -182,7 +182,7 @@ def _keep(kept: list, model: Any, visits: list) -> list[str]:
         # The policy is the mark that is saved; the attribute outlives a later quantize().
         setattr(layer, KEPT_MARK, layer.compute_dtype == "float32")
     if plan and isinstance(model, keras.Model) and not isinstance(model, KeepsFloat32):
-        object.__setattr__(model, "__class__", _keeping_class(type(model)))
+        move_to(model, mixin_class(KeepsFloat32, type(model), "_kmp_keeps_base", "KeepsFloat32"))
     if changed:  # ``model.outputs``, ``layer.output`` and fit's traced step say 16 bits
         _forget_old_dtypes([model, *(v.layer for v in visits)])
     return changed
@@ -233,14 +233,8 @@ class KeepsFloat32:
 
     def get_config(self) -> dict:
         """The model's own config (``"model"``) and the kept layers' paths."""
-        base = self._kmp_keeps_base
         return {
-            "model": {
-                "module": base.__module__,
-                "class_name": base.__name__,
-                "config": super().get_config(),  # type: ignore[misc]
-                "registered_name": keras.saving.get_registered_name(base),
-            },
+            "model": wrapped_config(self._kmp_keeps_base, super().get_config()),  # type: ignore[misc]
             "kept_float32": kept_paths(self),
         }
 
@@ -252,19 +246,3 @@ class KeepsFloat32:
         )
         restore_kept(model, config.get("kept_float32", ()))
         return model
-
-
-@functools.cache
-def _keeping_class(base: type) -> type:
-    """The one ``KeepsFloat32`` subclass of ``base`` (created once per class)."""
-    cls = type(
-        base.__name__,
-        (KeepsFloat32, base),
-        {
-            "__module__": base.__module__,
-            "__qualname__": base.__qualname__,
-            "_kmp_keeps_base": base,
-        },
-    )
-    # Saved under the mixin's name, whichever class it wraps (from_config dispatches).
-    return keras.saving.register_keras_serializable(package="kmp", name="KeepsFloat32")(cls)

@@ -17,12 +17,12 @@ Chosen layers are kept in float32 by :func:`kmp.float32_layers.keep_float32`.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import keras
 from keras import ops
 
+from kmp._model_mixins import mixin_class, move_to, wrapped_config
 from kmp._names import LOW_FLOATS
 from kmp.float32_layers import KeptFloat32  # noqa: F401  (registers the kept layers' policy)
 
@@ -121,15 +121,7 @@ class Float32Outputs:
         return _cast_low_floats(super().call(*args, **kwargs))  # type: ignore[misc]
 
     def get_config(self) -> dict:
-        base = self._kmp_base
-        return {
-            "model": {
-                "module": base.__module__,
-                "class_name": base.__name__,
-                "config": super().get_config(),  # type: ignore[misc]
-                "registered_name": keras.saving.get_registered_name(base),
-            }
-        }
+        return {"model": wrapped_config(self._kmp_base, super().get_config())}  # type: ignore[misc]
 
     @classmethod
     def from_config(cls, config: dict, custom_objects: dict | None = None) -> keras.Model:
@@ -143,21 +135,8 @@ class Float32Outputs:
         return model
 
 
-@functools.cache
-def _float32_class(base: type) -> type:
-    """The one ``Float32Outputs`` subclass of ``base`` (created once per class)."""
-    cls = type(
-        base.__name__,
-        (Float32Outputs, base),
-        {"__module__": base.__module__, "__qualname__": base.__qualname__, "_kmp_base": base},
-    )
-    # Saved under the mixin's name, whichever class it wraps (from_config dispatches).
-    return keras.saving.register_keras_serializable(package="kmp", name="Float32Outputs")(cls)
-
-
 def _move_to_float32_class(model: keras.Model) -> None:
-    # Keras caches the call signature per instance; the subclass only wraps ``call``.
-    object.__setattr__(model, "__class__", _float32_class(type(model)))
+    move_to(model, mixin_class(Float32Outputs, type(model), "_kmp_base", "Float32Outputs"))
 
 
 def has_float32_outputs(model: Any) -> bool:

@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "kmp.hardware",
             "kmp.versions",
             "kmp._keras_internals",
+            "kmp._model_mixins",
         ),
     ),
     (
