@@ -29,8 +29,6 @@ from kmp.layer_walk import walk
 __all__ = ["KeepsFloat32", "KeptFloat32", "keep_float32"]
 
 KEPT_MARK = "_kmp_keep_float32"  # True on a kept layer (kept across quantize(); not saved)
-# How a kept layer's policy is saved (kmp.load_precision reads it in a config).
-KEPT_POLICY_NAME = "kmp>KeptFloat32"
 
 
 @keras.saving.register_keras_serializable(package="kmp", name="KeptFloat32")
@@ -222,7 +220,7 @@ class KeepsFloat32:
     :func:`keep_float32` moves the model, in place, to ``KeepsFloat32[<its class>]``, a
     subclass of both (as :class:`kmp.layers.Float32Outputs` does): its class, layers,
     weights and methods stay; its config wraps the model's own with the kept paths, so
-    ``model.save`` carries them and Keras's loader (once ``kmp.layers`` is imported) keeps
+    ``model.save`` carries them and Keras's loader (once ``kmp.saving`` is imported) keeps
     those layers float32 and marked again (:func:`restore_kept`), also the layers a
     subclassed or KerasHub model makes itself. Never instantiate it directly.
     """

@@ -61,6 +61,8 @@ _PLAIN_POLICIES = ("DTypePolicy", "FloatDTypePolicy")
 _KEPT_POLICY = "kmp>KeptFloat32"
 # kmp.float32_layers.KeepsFloat32, the model wrapper saving the kept paths.
 _KEEPS = "kmp>KeepsFloat32"
+# kmp.layers.Float32Outputs, the model wrapper casting its outputs to float32.
+_FLOAT32_OUTPUTS = "kmp>Float32Outputs"
 # kmp's float32 head: saves no dtype, computes in float32.
 _HEAD = "Float32Output"
 
@@ -182,7 +184,7 @@ def plan_policies(
     return plan
 
 
-def outputs_were_float32(config: dict, class_name: str | None = None) -> bool | None:
+def outputs_were_float32(config: dict) -> bool | None:
     """Whether the saved model's outputs were float32, from its config; None: unknown.
 
     A Functional or Sequential model's are its output layers' (kmp's head, a layer saved
@@ -191,11 +193,10 @@ def outputs_were_float32(config: dict, class_name: str | None = None) -> bool | 
 
     Args:
         config: The model's serialized config (``config.json``: ``class_name``, ``config``).
-        class_name: Overrides ``config["class_name"]``.
     """
-    kind = class_name or config.get("class_name")
+    kind = config.get("class_name")
     inner = config.get("config", {})
-    if config.get("registered_name") == "kmp>Float32Outputs":
+    if config.get("registered_name") == _FLOAT32_OUTPUTS:
         return True
     if config.get("registered_name") == _KEEPS:  # the model inside keeps its outputs
         return outputs_were_float32(inner.get("model", {}))
