@@ -209,6 +209,8 @@ def outputs_were_float32(config: dict) -> bool | None:
         names = [inner["layers"][-1].get("config", {}).get("name")]
     elif kind == "Functional" or "output_layers" in inner:
         outputs = inner.get("output_layers", [])
+        if isinstance(outputs, dict):  # outputs by name: {"label": ["label", 0, 0], ...}
+            outputs = list(outputs.values())
         names = (
             [outputs[0]]
             if outputs and isinstance(outputs[0], str)

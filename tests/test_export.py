@@ -284,11 +284,7 @@ def test_bad_requests_fail_before_anything_is_written(mlp, out):
     assert not (out / "m").exists() and not (out / "m.onnx").exists()
 
 
-def test_several_inputs_and_wrong_labels_are_refused(mlp, out):
-    a, b = keras.Input((4,)), keras.Input((4,))
-    two = keras.Model([a, b], keras.layers.Dense(2)(keras.layers.Concatenate()([a, b])))
-    with pytest.raises(ValueError, match=r"one input and one output"):
-        export(two, out / "two", sample=[np.ones((2, 4))] * 2)
+def test_wrong_labels_are_refused(mlp, out):
     with pytest.raises(ValueError, match=r"labels of shape \(3,\) do not fit"):
         export(mlp, out / "l", sample=np.zeros((2, 16, 16, 1)), labels=[0, 1, 2])
 
@@ -303,8 +299,11 @@ def test_plan_routes_and_the_backend():
     unverified = plan_export("onnx", "float32", "m.onnx", verify=False)
     assert "onnxruntime" not in {m for m, _ in unverified.modules}
     assert plan_export("tf_saved_model", "bfloat16", "m").keras_policy == "bfloat16"
-    with pytest.raises(RuntimeError, match=r"TensorFlow backend.*'jax'.*KERAS_BACKEND=tensorflow"):
+    with pytest.raises(RuntimeError, match=r"tensorflow backend.*'jax'.*KERAS_BACKEND=tensorflow"):
         plan_export("onnx", "float32", "m.onnx", backend="jax")
+    with pytest.raises(RuntimeError, match=r"litert files under the tensorflow backend.*'torch'"):
+        plan_export("litert", "float32", "m.tflite", backend="torch")
+    assert plan_export("saved_model", "float16", "m", backend="jax").runtime == "TensorFlow"
     with pytest.raises(ValueError, match=r"SavedModel is a folder"):
         plan_export("saved_model", "float32", "m.keras")
 

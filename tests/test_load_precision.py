@@ -421,6 +421,11 @@ def test_whether_the_outputs_were_float32_is_read_from_the_config():
     assert outputs_were_float32(functional("float32"))
     assert not outputs_were_float32(functional("mixed_float16"))
     assert outputs_were_float32(functional(None, head=True))
+    named = functional("float32")  # outputs by name, as a model returning a dict saves them
+    named["config"]["output_layers"] = {"out": ["out", 0, 0], "a": ["a", 0, 0]}
+    assert outputs_were_float32(named) is False  # "a" computes in float16
+    del named["config"]["output_layers"]["a"]
+    assert outputs_were_float32(named)
     keeps = {
         "registered_name": "kmp>KeepsFloat32",
         "config": {"model": functional("float32"), "kept_float32": ["a"]},

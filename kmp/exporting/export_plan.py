@@ -6,8 +6,10 @@ the path exists), so every choice is testable without TensorFlow converting anyt
 =============  =========================  =====================================  =============
 format         precision                  how the file is written                runs in
 =============  =========================  =====================================  =============
-saved_model    float32, float16,          Keras's ``ExportArchive`` of the model  TensorFlow
-               bfloat16                   loaded in that policy (kmp.load_model)
+saved_model    float32, float16,          the model loaded in that policy         TensorFlow
+               bfloat16                   (kmp.load_model), saved as a
+                                          ``tf.Module`` (under JAX: Keras's
+                                          ``ExportArchive``, through jax2tf)
 onnx           float32, float16           ``model.export(format="onnx")``         onnxruntime
                                           (tf2onnx), then onnxconverter-common's
                                           float16 pass with float32 inputs and
@@ -18,7 +20,9 @@ litert         float32, float16           ``model.export(format="litert")`` with
 =============  =========================  =====================================  =============
 
 ONNX Runtime's CPU kernels and LiteRT have no bfloat16 weights, so ``bfloat16`` is a
-SavedModel precision only.
+SavedModel precision only. Under Keras's JAX backend only the SavedModel is written
+(:data:`ENGINES`); for ONNX and LiteRT the model is saved and exported in a
+TensorFlow-backend process (the error says how).
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import os
 from kmp._checks import check_bool
 
 __all__ = [
+    "ENGINES",
     "FORMATS",
     "PRECISIONS",
     "ExportPlan",
+    "check_engine",
     "plan_export",
 ]
 
@@ -133,6 +139,36 @@ def _check_path(path: str, fmt: str, exists: bool, overwrite: bool) -> None:
         )
 
 
+# The Keras backends kmp exports from -> the formats each can write itself.
+ENGINES: dict[str, tuple[str, ...]] = {
+    "tensorflow": tuple(FORMATS),
+    "jax": ("saved_model",),  # Keras's jax2tf route; ONNX and LiteRT: the bridge below
+}
+
+
+def check_engine(backend: str, fmt: str) -> None:
+    """Refuse a format the Keras backend cannot write, saying how to get the file anyway.
+
+    Args:
+        backend: The Keras backend in use.
+        fmt: The format asked for.
+
+    Raises:
+        RuntimeError: The backend cannot write ``fmt`` (the message gives the bridge: the
+            model saved here and exported in a TensorFlow-backend process).
+    """
+    if fmt in ENGINES.get(backend, ()):
+        return
+    able = [name for name, formats in ENGINES.items() if fmt in formats]
+    raise RuntimeError(
+        f"kmp.export writes {fmt} files under the {' or '.join(able)} backend; Keras's "
+        f"backend here is {backend!r}. Save the model (kmp.save_model(model, "
+        "'model.keras')) and export it in a process started with KERAS_BACKEND=tensorflow: "
+        "kmp.export(kmp.load_model('model.keras'), ...); the weights are the same."
+        + (" Under JAX, format='saved_model' is written here." if backend == "jax" else "")
+    )
+
+
 def plan_export(
     format: str,
     precision: str,
@@ -165,7 +201,8 @@ def plan_export(
         ValueError: An unknown format or precision; a precision the format cannot hold
             (the message names the formats that can); a path that does not suit the
             format, or that exists without ``overwrite=True``.
-        RuntimeError: The Keras backend is not TensorFlow.
+        RuntimeError: The Keras backend cannot write the format (:func:`check_engine`:
+            JAX writes SavedModels; TensorFlow every format).
     """
     fmt = _choice("format", format, tuple(FORMATS), _FORMAT_ALIASES)
     prec = _choice("precision", precision, PRECISIONS, {})
@@ -183,13 +220,7 @@ def plan_export(
     overwrite = check_bool("overwrite", overwrite)
     verify = check_bool("verify", verify)
     _check_path(path, fmt, exists, overwrite)
-    if backend != "tensorflow":
-        raise RuntimeError(
-            f"kmp.export runs under the TensorFlow backend; Keras's backend here is "
-            f"{backend!r}. Save the model (kmp.save_model(model, 'model.keras')) and export "
-            "it in a process started with KERAS_BACKEND=tensorflow: "
-            "kmp.export(kmp.load_model('model.keras'), ...)."
-        )
+    check_engine(backend, fmt)
     half_pass = None
     if prec == "float16" and fmt == "onnx":
         half_pass = "onnxconverter_common"

@@ -53,8 +53,9 @@ class ExportResult:
             measured (ONNX and LiteRT 16-bit exports; the float32 export's own size).
         input_dtype: The input dtype the runtime reports.
         output_dtype: The output dtype the runtime reports.
-        comparison: What the verification measured, or None when not verified. Its
-            measures read through as attributes of their own (None when not verified):
+        comparison: What the verification measured on the (first) output, or None when
+            not verified. Its measures read through as attributes of their own (None
+            when not verified):
         samples: How many inputs were compared.
         max_abs_diff: Largest absolute output difference from float32 Keras.
         max_rel_diff: Largest relative output difference (see
@@ -65,6 +66,8 @@ class ExportResult:
         perplexity: The labels' perplexity under the file (language models).
         float32_perplexity: Their perplexity under float32 Keras.
         perplexity_diff: ``|perplexity - float32_perplexity| / float32_perplexity``.
+        outputs: Every output's comparison by served name, in order (the first is
+            ``comparison``; labels measure that one), or None when not verified.
     """
 
     path: str
@@ -76,6 +79,7 @@ class ExportResult:
     input_dtype: str | None = None
     output_dtype: str | None = None
     comparison: Comparison | None = None
+    outputs: dict[str, Comparison] | None = None
     # Comparison's fields, read through (not dataclass fields: no annotation).
     samples = _Measured()
     max_abs_diff = _Measured()
@@ -107,6 +111,8 @@ class ExportResult:
         """
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         del fields["comparison"]
+        if self.outputs is not None:
+            fields["outputs"] = {k: dataclasses.asdict(c) for k, c in self.outputs.items()}
         measures = {f.name: getattr(self, f.name) for f in dataclasses.fields(Comparison)}
         return {**fields, **measures, "size_ratio": self.size_ratio}
 
@@ -118,7 +124,10 @@ class ExportResult:
         rows = [("file size", size)]
         if not self.verified:
             return "\n".join([head + ", not verified", *(f"  {k:<26}{v}" for k, v in rows)])
+        several = self.outputs is not None and len(self.outputs) > 1
         head += f", verified in {self.runtime} on {self.samples} inputs"
+        if several:
+            head += f" ({len(self.outputs)} outputs: the first, then each other)"
         rows += [
             ("inputs / outputs", f"{self.input_dtype} / {self.output_dtype}"),
             ("largest abs. difference", f"{self.max_abs_diff:.3g}"),
@@ -137,4 +146,11 @@ class ExportResult:
                  f"{self.float32_perplexity:.4f}; relative difference "
                  f"{self.perplexity_diff:.2e})")
             )  # fmt: skip
+        if several:
+            for name, c in list(self.outputs.items())[1:]:
+                agree = "" if c.top1_agreement is None else f", top-1 {_pct(c.top1_agreement)}"
+                rows.append(
+                    (f"output {name!r}", f"abs. {c.max_abs_diff:.3g}, rel. {c.max_rel_diff:.3g}"
+                     f"{agree}")
+                )  # fmt: skip
         return "\n".join([head, *(f"  {k:<26}{v}" for k, v in rows)])

@@ -28,7 +28,8 @@ from kmp._imports import SERVE_INSTALL, optional_import
 from kmp.exporting.comparison import compare
 from kmp.exporting.export_plan import ExportPlan, plan_export
 from kmp.exporting.export_result import ExportResult
-from kmp.exporting.keras_copies import ModelCopies, input_spec, prepare_inputs
+from kmp.exporting.keras_copies import ModelCopies
+from kmp.exporting.signature import Signature, align_outputs, feed, name_outputs, signature_of
 from kmp.layer_walk import walk
 
 __all__ = ["export", "require_modules"]
@@ -66,7 +67,7 @@ def _size(path: str) -> int:
     )
 
 
-def _write(plan: ExportPlan, model: keras.Model, target: str, spec: tuple) -> int | None:
+def _write(plan: ExportPlan, model: keras.Model, target: str, spec: Signature) -> int | None:
     """Write the file by the plan's route; return the float32 file's size where measured."""
     layers = {v.path: type(v.layer).__name__ for v in walk(model, inputs=False)}
     half = plan.half_pass is not None
@@ -84,8 +85,10 @@ def _write(plan: ExportPlan, model: keras.Model, target: str, spec: tuple) -> in
     return None
 
 
-def _run(plan: ExportPlan, target: str, inputs: np.ndarray) -> tuple[np.ndarray, str, str]:
-    """Run the written file once in its runtime: ``(outputs, input dtype, output dtype)``."""
+def _run(
+    plan: ExportPlan, target: str, inputs: dict[str, np.ndarray], names: list[str]
+) -> tuple[dict[str, np.ndarray], str, str]:
+    """Run the written file once in its runtime: ``(outputs by name, input and output dtypes)``."""
     if plan.format == "onnx":
         from kmp.exporting.onnx_route import OnnxRunner as Runner
     elif plan.format == "litert":
@@ -94,7 +97,8 @@ def _run(plan: ExportPlan, target: str, inputs: np.ndarray) -> tuple[np.ndarray,
         from kmp.exporting.saved_model_route import SavedModelRunner as Runner
     try:
         runner = Runner(target)
-        return runner.predict_on_batch(inputs), runner.input_dtype, runner.output_dtype
+        outputs = align_outputs(names, runner.output_names, runner.run(inputs))
+        return outputs, runner.input_dtype, runner.output_dtype
     except Exception as exc:
         raise RuntimeError(
             f"kmp.export: {plan.runtime} could not run the {plan.format} file it wrote "
@@ -108,15 +112,18 @@ def _move_into_place(staged: str, path: str, staging: str) -> None:
     os.replace(staged, path)
 
 
-def _one_output(outputs: Any) -> np.ndarray:
-    if isinstance(outputs, dict | list | tuple):
-        if len(outputs) != 1:
-            raise ValueError(
-                f"kmp.export handles models with one output; this one returns "
-                f"{len(outputs)}. Wrap it in a model that returns one tensor."
-            )
-        outputs = next(iter(outputs.values())) if isinstance(outputs, dict) else outputs[0]
-    return np.asarray(keras.ops.convert_to_numpy(outputs))
+def _check_model(model: Any) -> None:
+    if isinstance(model, keras.Model):
+        return
+    names = [klass.__name__ for klass in type(model).__mro__]
+    if "Preprocessor" in names:
+        raise TypeError(
+            f"kmp.export got {type(model).__name__}, a KerasHub preprocessor: export the task "
+            "model itself (e.g. the GPT2CausalLM or BertTextClassifier), and make its sample "
+            "with the preprocessor: sample = task.preprocessor(texts) (the features, without "
+            "labels). The file serves token ids; tokenize before calling it."
+        )
+    raise TypeError(f"kmp.export needs a keras.Model; got {type(model).__name__}.")
 
 
 def export(
@@ -139,16 +146,23 @@ def export(
     says how far its outputs are. docs/exporting.md is the guide, with measured figures.
 
     Args:
-        model: A Keras model with one input and one output (any policy).
+        model: A Keras model (any policy) taking one tensor, a list or a dict of them
+            (a KerasHub task: ``{"token_ids": ..., "padding_mask": ...}``) and returning
+            the same kinds. Each input is served under its name
+            (:mod:`kmp.exporting.signature`) with a free batch axis and the model's other
+            free axes (a sequence length).
         path: A folder for ``"saved_model"``; a ``.onnx`` or ``.tflite`` file otherwise.
             It must not exist, unless ``overwrite=True``.
         format: ``"saved_model"`` (TensorFlow SavedModel), ``"onnx"`` or ``"litert"``
             (``"tf_saved_model"`` and ``"tflite"`` are accepted too).
         precision: The weights' dtype in the file: ``"float32"``, ``"float16"``, or
             ``"bfloat16"`` (SavedModel only). Inputs and outputs stay float32.
-        sample: A batch of real inputs (a NumPy array or tensor), run through the file
-            and the float32 model; needed to verify.
-        labels: Optional class indices (or one-hot labels) for ``sample``: adds the
+        sample: A batch of real inputs, run through the file and the float32 model;
+            needed to verify. One array (or tensor) for a single-input model; a dict by
+            input name, or a tuple in the model's input order, otherwise. Integer inputs
+            (token ids, masks) must be integers.
+        labels: Optional class indices (or one-hot labels) for ``sample``'s first output
+            (a dict's first key, sorted): adds the
             accuracy (classifier outputs ``[batch, classes]``) or the perplexity
             (language-model outputs ``[batch, sequence, vocabulary]``).
         overwrite: Replace an existing ``path`` (once the new export is verified).
@@ -159,18 +173,19 @@ def export(
         The :class:`ExportResult`: the file, its size, and the measured differences.
 
     Raises:
-        TypeError: ``model`` is not a Keras model, or an argument has the wrong type.
+        TypeError: ``model`` is not a Keras model (a KerasHub preprocessor is named as
+            such), the sample holds strings, or an argument has the wrong type.
         ValueError: An unknown format or precision; bfloat16 for ONNX or LiteRT; a path
             that exists (without ``overwrite=True``) or does not suit the format; no
-            ``sample`` to verify with; a model with several inputs or outputs; a layer
-            the format cannot hold (the message names it).
+            ``sample`` to verify with; a sample that lacks an input (named) or gives
+            floats for an integer one; a layer the format cannot hold (the message
+            names it).
         ImportError: The format's converter or runtime is not installed (the message
             gives the install command).
         RuntimeError: Not under the TensorFlow backend, or the runtime could not run
             the written file.
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"kmp.export needs a keras.Model; got {type(model).__name__}.")
+    _check_model(model)
     exists = isinstance(path, str | os.PathLike) and os.path.lexists(os.fspath(path))
     plan = plan_export(
         format,
@@ -192,10 +207,10 @@ def export(
     os.makedirs(parent, exist_ok=True)
     with ModelCopies(model) as copies:
         reference = copies.in_policy("float32")
-        spec = input_spec(reference, sample)
+        spec = signature_of(reference, sample)
         if verify:
-            inputs = prepare_inputs(sample, spec[1])
-            expected = _one_output(reference(inputs, training=False))
+            inputs = feed(sample, spec)
+            expected = name_outputs(reference(spec.pack(list(inputs.values())), training=False))
         staging = tempfile.mkdtemp(prefix=".kmp-export-", dir=parent)
         try:
             staged = os.path.join(staging, os.path.basename(plan.path.rstrip(os.sep)))
@@ -205,8 +220,11 @@ def export(
                 float32_size = size
             measured, in_dtype, out_dtype = None, None, None
             if verify:
-                outputs, in_dtype, out_dtype = _run(plan, staged, inputs)
-                measured = compare(expected, outputs, labels)
+                outputs, in_dtype, out_dtype = _run(plan, staged, inputs, list(expected))
+                measured = {
+                    name: compare(value, outputs[name], labels if i == 0 else None)
+                    for i, (name, value) in enumerate(expected.items())
+                }
             _move_into_place(staged, plan.path, staging)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -219,7 +237,8 @@ def export(
         float32_size_bytes=float32_size,
         input_dtype=in_dtype,
         output_dtype=out_dtype,
-        comparison=measured,
+        comparison=None if measured is None else next(iter(measured.values())),
+        outputs=measured,
     )
     if verbose:
         print(result)

@@ -1,4 +1,4 @@
-"""The Keras models an export starts from, and the inputs it is traced and verified with.
+"""The Keras models an export starts from: the caller's model in float32 and in 16 bits.
 
 The reference is always the model in float32: a model that computes or stores anything in
 16 bits (trained under ``mixed_float16``, or loaded in ``"bfloat16"``) is saved once to a
@@ -13,14 +13,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any
 
 import keras
-import numpy as np
 
 from kmp.layer_walk import walk
 
-__all__ = ["ModelCopies", "computes_in_float32", "input_spec", "prepare_inputs"]
+__all__ = ["ModelCopies", "computes_in_float32"]
 
 
 def computes_in_float32(model: keras.Model) -> bool:
@@ -104,74 +102,3 @@ class ModelCopies:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _one(values: Any, what: str) -> Any:
-    if isinstance(values, dict) or (isinstance(values, list | tuple) and len(values) != 1):
-        raise ValueError(
-            f"kmp.export handles models with one input and one output; this one has "
-            f"{len(values)} {what}s. Wrap it in a model that takes (or returns) one tensor."
-        )
-    return values[0] if isinstance(values, list | tuple) else values
-
-
-def input_spec(model: keras.Model, sample: Any) -> tuple[tuple[int | None, ...], str]:
-    """The traced input's ``(shape, dtype)``: the model's own input, else the sample's.
-
-    The batch axis is left free (None); the model's other free axes (a sequence length)
-    too, when it has a defined input.
-
-    Args:
-        model: The float32 reference model.
-        sample: The caller's sample, or None.
-
-    Returns:
-        ``(shape, dtype)``; float samples are traced as float32.
-
-    Raises:
-        ValueError: The model has several inputs, or neither defined inputs nor a sample.
-    """
-    inputs = getattr(model, "inputs", None)
-    if inputs:
-        tensor = _one(inputs, "input")
-        return tuple(tensor.shape), str(tensor.dtype)
-    if sample is None:
-        raise ValueError(
-            f"kmp.export cannot tell the input shape of {type(model).__name__} (it has no "
-            "defined inputs): pass sample= (a batch of real inputs)."
-        )
-    array = prepare_inputs(sample, None)
-    dtype = "float32" if np.issubdtype(array.dtype, np.floating) else str(array.dtype)
-    return (None, *array.shape[1:]), dtype
-
-
-def prepare_inputs(sample: Any, dtype: str | None) -> np.ndarray:
-    """The sample as one NumPy array of the traced input's dtype (None: as it is).
-
-    Args:
-        sample: A NumPy array or tensor (or a one-element list or dict of one).
-        dtype: The dtype to cast to, or None.
-
-    Returns:
-        The array.
-
-    Raises:
-        TypeError: ``sample`` is not array-like.
-        ValueError: It is empty, or it is several arrays.
-    """
-    if isinstance(sample, dict) or (
-        isinstance(sample, list | tuple) and all(hasattr(x, "shape") for x in sample)
-    ):
-        sample = _one(sample, "input")
-    try:
-        array = np.asarray(keras.ops.convert_to_numpy(sample))
-    except Exception as exc:
-        raise TypeError(
-            f"kmp.export: sample must be an array of inputs (NumPy or a tensor); got "
-            f"{type(sample).__name__}."
-        ) from exc
-    if array.ndim == 0 or array.shape[0] == 0:
-        raise ValueError(
-            f"kmp.export: sample must be a batch of at least one input; got shape {array.shape}."
-        )
-    return array if dtype is None else array.astype(dtype, copy=False)

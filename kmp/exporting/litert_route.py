@@ -18,6 +18,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from kmp.exporting.signature import Runner, Signature, dtypes, tensor_specs
 from kmp.exporting.unsupported import litert_failed_ops, unsupported_error
 
 __all__ = ["LiteRTRunner", "write_litert"]
@@ -28,10 +29,9 @@ _ADVICE = (
 )
 
 
-def _convert(model: keras.Model, path: str, spec: tuple[tuple, str], half: bool) -> None:
+def _convert(model: keras.Model, path: str, signature: Signature, half: bool) -> None:
     import tensorflow as tf
 
-    shape, dtype = spec
     target: dict = {"supported_ops": [tf.lite.OpsSet.TFLITE_BUILTINS]}
     options: dict = {}
     if half:
@@ -41,7 +41,7 @@ def _convert(model: keras.Model, path: str, spec: tuple[tuple, str], half: bool)
         path,
         format="litert",
         verbose=False,
-        input_signature=[tf.TensorSpec(shape, dtype, name="inputs")],
+        input_signature=tensor_specs(signature),
         target_spec=target,
         **options,
     )
@@ -50,7 +50,7 @@ def _convert(model: keras.Model, path: str, spec: tuple[tuple, str], half: bool)
 def write_litert(
     model: keras.Model,
     path: str,
-    spec: tuple[tuple, str],
+    signature: Signature,
     layers: dict[str, str],
     half: bool,
 ) -> int:
@@ -59,7 +59,7 @@ def write_litert(
     Args:
         model: The float32 Keras model.
         path: The ``.tflite`` file to write.
-        spec: The input's ``(shape, dtype)``.
+        signature: The served inputs (each a signature input of that name).
         layers: The model's layer paths -> class names (to name a layer LiteRT cannot hold).
         half: Store the weights in float16 (inputs and outputs stay float32).
 
@@ -70,7 +70,7 @@ def write_litert(
         ValueError: The model holds a layer LiteRT cannot express (the message names it).
     """
     try:
-        _convert(model, path, spec, half)
+        _convert(model, path, signature, half)
     except Exception as exc:
         ops = litert_failed_ops(str(exc))
         if not ops:
@@ -80,20 +80,23 @@ def write_litert(
         return os.path.getsize(path)
     with tempfile.TemporaryDirectory(prefix="kmp-export-") as folder:
         float32_path = os.path.join(folder, "float32.tflite")
-        _convert(model, float32_path, spec, half=False)
+        _convert(model, float32_path, signature, half=False)
         return os.path.getsize(float32_path)
 
 
-class LiteRTRunner:
+class LiteRTRunner(Runner):
     """The LiteRT interpreter (ai-edge-litert) on one ``.tflite`` file, run on many batches.
 
-    Resizing an interpreter's input reallocates its tensors, so one interpreter is kept per
-    batch shape. ``kmp.export`` verifies the file with it; a server (bench/inference.py)
+    Inputs and outputs are found by name through the file's signature. Resizing an
+    interpreter's inputs reallocates its tensors, so one interpreter is kept per set of
+    input shapes. ``kmp.export`` verifies the file with it; a server (bench/inference.py)
     keeps one.
 
     Attributes:
-        input_dtype: The input dtype the interpreter reports.
-        output_dtype: The output dtype the interpreter reports.
+        input_names: The signature's inputs.
+        output_names: Its outputs.
+        input_dtype: The inputs' dtypes the interpreter reports (distinct ones, joined).
+        output_dtype: The outputs' dtypes, the same way.
     """
 
     def __init__(self, path: str, num_threads: int | None = None) -> None:
@@ -107,34 +110,43 @@ class LiteRTRunner:
 
         self._path, self._threads, self._interpreter_class = path, num_threads, Interpreter
         first = self._open()
-        (given,) = first.get_input_details()
-        output = first.get_output_details()[0]
-        self._input, self._output, self._dtype = given["index"], output["index"], given["dtype"]
-        self.input_dtype: str = np.dtype(given["dtype"]).name
-        self.output_dtype: str = np.dtype(output["dtype"]).name
-        self._unsized: Any = first  # the first batch shape takes it
-        self._by_shape: dict[tuple[int, ...], Any] = {}
+        runner = first.get_signature_runner()
+        given, outputs = runner.get_input_details(), runner.get_output_details()
+        self._inputs = {name: (d["index"], d["dtype"]) for name, d in given.items()}
+        self._outputs = {name: d["index"] for name, d in outputs.items()}
+        self.input_names: list[str] = list(given)
+        self.output_names: list[str] = list(outputs)
+        self.input_dtype: str = dtypes(np.dtype(d["dtype"]).name for d in given.values())
+        self.output_dtype: str = dtypes(np.dtype(d["dtype"]).name for d in outputs.values())
+        self._unsized: Any = first  # the first set of shapes takes it
+        self._by_shape: dict[tuple, Any] = {}
 
     def _open(self) -> Any:
         return self._interpreter_class(model_path=self._path, num_threads=self._threads)
 
-    def predict_on_batch(self, inputs: np.ndarray) -> np.ndarray:
-        """The file's outputs on ``inputs`` (cast to the input dtype).
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The file's outputs on ``inputs`` (by name, cast to the file's dtypes).
 
         Args:
-            inputs: A batch of inputs.
+            inputs: A batch for each input, by name.
 
         Returns:
-            The outputs, as the interpreter returns them.
+            The outputs, in :attr:`output_names` order.
         """
-        feed = inputs.astype(self._dtype, copy=False)
-        interpreter = self._by_shape.get(feed.shape)
+        feed = {
+            name: (index, inputs[name].astype(dtype, copy=False))
+            for name, (index, dtype) in self._inputs.items()
+        }
+        shapes = tuple(value.shape for _, value in feed.values())
+        interpreter = self._by_shape.get(shapes)
         if interpreter is None:
             interpreter = self._unsized if self._unsized is not None else self._open()
             self._unsized = None
-            interpreter.resize_tensor_input(self._input, feed.shape)
+            for index, value in feed.values():
+                interpreter.resize_tensor_input(index, value.shape)
             interpreter.allocate_tensors()
-            self._by_shape[feed.shape] = interpreter
-        interpreter.set_tensor(self._input, feed)
+            self._by_shape[shapes] = interpreter
+        for index, value in feed.values():
+            interpreter.set_tensor(index, value)
         interpreter.invoke()
-        return np.array(interpreter.get_tensor(self._output))
+        return [np.array(interpreter.get_tensor(i)) for i in self._outputs.values()]

@@ -16,10 +16,12 @@ import logging
 import os
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import keras
 import numpy as np
 
+from kmp.exporting.signature import Runner, Signature, dtypes, tensor_specs
 from kmp.exporting.unsupported import unsupported_error
 
 __all__ = ["OnnxRunner", "write_onnx"]
@@ -30,11 +32,6 @@ _ADVICE = (
     "Export it with format='saved_model', or replace the layer with one built from ops "
     "ONNX has (https://onnx.ai/onnx/operators/)."
 )
-# Ops the float16 pass must leave alone: onnxconverter-common 1.16 retypes a Cast's output
-# to float16 but keeps its ``to=float`` (an integer input cast to float, as tf2onnx writes
-# for an Embedding's index check), and onnxruntime then refuses the file. Left in float32,
-# the pass casts around them instead.
-_KEEP_FLOAT32_OPS = ("Cast",)
 _ONNX_DTYPES = {
     "tensor(float)": "float32",
     "tensor(float16)": "float16",
@@ -58,10 +55,67 @@ def _quiet() -> Iterator[None]:
         log.setLevel(level)
 
 
+def _unshare_blocked_constants(graph: Any, blocked: set[str]) -> None:
+    """Give a node the float16 pass keeps in float32 its own copy of a shared constant.
+
+    The pass keeps a constant in float32 when any node it leaves in float32 reads it (a
+    ``Range``), and the other nodes that read it (a KerasHub mask's ``Less``) then mix
+    float16 and float32, which onnxruntime refuses. A copy per kept node lets the others
+    have the float16 one. Weights read only by converted nodes (GPT-2's tied embedding)
+    stay shared.
+
+    Args:
+        graph: The float32 ONNX model, changed in place.
+        blocked: The op types the pass keeps in float32.
+    """
+    from onnx import TensorProto
+
+    constants = {c.name: c for c in graph.graph.initializer if c.data_type == TensorProto.FLOAT}
+    readers: dict[str, list[Any]] = {}
+    for node in graph.graph.node:
+        for name in node.input:
+            if name in constants:
+                readers.setdefault(name, []).append(node)
+    for name, nodes in readers.items():
+        kept = [n for n in nodes if n.op_type in blocked]
+        if not kept or len(kept) == len(nodes):
+            continue
+        for k, node in enumerate(kept):
+            copy = graph.graph.initializer.add()
+            copy.CopyFrom(constants[name])
+            copy.name = f"{name}__kmp_float32_{k}"
+            for i, given in enumerate(node.input):
+                if given == name:
+                    node.input[i] = copy.name
+
+
+def _cast_as_typed(graph: Any) -> None:
+    """Make each ``Cast`` to float32 whose output the float16 pass retyped cast to float16.
+
+    onnxconverter-common 1.16 retypes a ``Cast``'s output to float16 but keeps its
+    ``to=float`` (tf2onnx writes one where an integer input meets float math, as in an
+    Embedding's index check or a KerasHub model's masks); onnxruntime then refuses the file
+    ("bound to different types"). The casts the pass adds itself are typed float32 and
+    stay as they are.
+
+    Args:
+        graph: The converted ONNX model, changed in place.
+    """
+    from onnx import TensorProto
+
+    typed = {v.name: v.type.tensor_type.elem_type for v in graph.graph.value_info}
+    for node in graph.graph.node:
+        if node.op_type != "Cast" or typed.get(node.output[0]) != TensorProto.FLOAT16:
+            continue
+        for attribute in node.attribute:
+            if attribute.name == "to" and attribute.i == TensorProto.FLOAT:
+                attribute.i = TensorProto.FLOAT16
+
+
 def write_onnx(
     model: keras.Model,
     path: str,
-    spec: tuple[tuple, str],
+    signature: Signature,
     layers: dict[str, str],
     half: bool,
 ) -> int:
@@ -70,7 +124,7 @@ def write_onnx(
     Args:
         model: The float32 Keras model.
         path: The ``.onnx`` file to write.
-        spec: The input's ``(shape, dtype)``.
+        signature: The served inputs (each an ONNX input of that name).
         layers: The model's layer paths -> class names (to name a layer ONNX cannot hold).
         half: Store the weights in float16 (inputs and outputs stay float32).
 
@@ -81,16 +135,9 @@ def write_onnx(
         ValueError: The model holds a layer ONNX cannot express (the message names it).
     """
     import onnx
-    import tensorflow as tf
 
-    shape, dtype = spec
     with _quiet():
-        model.export(
-            path,
-            format="onnx",
-            verbose=False,
-            input_signature=[tf.TensorSpec(shape, dtype, name="inputs")],
-        )
+        model.export(path, format="onnx", verbose=False, input_signature=tensor_specs(signature))
     graph = onnx.load(path)
     unknown = [
         (node.op_type, node.name)
@@ -104,23 +151,25 @@ def write_onnx(
         from onnxconverter_common import float16
 
         with _quiet():
-            graph = float16.convert_float_to_float16(
-                graph,
-                keep_io_types=True,
-                op_block_list=[*float16.DEFAULT_OP_BLOCK_LIST, *_KEEP_FLOAT32_OPS],
-            )
+            # Every tensor typed first, so the pass retypes each one it makes float16.
+            graph = onnx.shape_inference.infer_shapes(graph)
+            _unshare_blocked_constants(graph, set(float16.DEFAULT_OP_BLOCK_LIST))
+            graph = float16.convert_float_to_float16(graph, keep_io_types=True)
+        _cast_as_typed(graph)
         onnx.save(graph, path)
     return float32_size
 
 
-class OnnxRunner:
+class OnnxRunner(Runner):
     """One onnxruntime session on the CPU, opened once and run on any number of batches.
 
     ``kmp.export`` verifies the file with it; a server (bench/inference.py) keeps one.
 
     Attributes:
-        input_dtype: The input dtype onnxruntime reports.
-        output_dtype: The output dtype onnxruntime reports.
+        input_names: The file's inputs.
+        output_names: Its outputs (tf2onnx names them after the graph: ``Identity:0``).
+        input_dtype: The inputs' dtypes onnxruntime reports (distinct ones, joined).
+        output_dtype: The outputs' dtypes, the same way.
     """
 
     def __init__(self, path: str) -> None:
@@ -132,23 +181,25 @@ class OnnxRunner:
         import onnxruntime
 
         self._session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-        (given,) = self._session.get_inputs()
-        output = self._session.get_outputs()[0]
-        self._input, self._output = given.name, output.name
-        self.input_dtype: str = _ONNX_DTYPES.get(given.type, given.type)
-        self.output_dtype: str = _ONNX_DTYPES.get(output.type, output.type)
+        given, outputs = self._session.get_inputs(), self._session.get_outputs()
+        self._types = {i.name: _ONNX_DTYPES.get(i.type, i.type) for i in given}
+        self.input_names: list[str] = [i.name for i in given]
+        self.output_names: list[str] = [o.name for o in outputs]
+        self.input_dtype: str = dtypes(self._types.values())
+        self.output_dtype: str = dtypes(_ONNX_DTYPES.get(o.type, o.type) for o in outputs)
 
-    def predict_on_batch(self, inputs: np.ndarray) -> np.ndarray:
-        """The file's outputs on ``inputs`` (cast to the input dtype where it is a float or int).
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The file's outputs on ``inputs`` (by name, cast to the file's dtypes).
 
         Args:
-            inputs: A batch of inputs.
+            inputs: A batch for each input, by name.
 
         Returns:
-            The outputs, as onnxruntime returns them.
+            The outputs, in :attr:`output_names` order.
         """
-        feed = inputs
-        if self.input_dtype in _ONNX_DTYPES.values():
-            feed = inputs.astype(self.input_dtype, copy=False)
-        (result,) = self._session.run([self._output], {self._input: feed})
-        return np.asarray(result)
+        feed = {}
+        for name in self.input_names:
+            dtype, value = self._types[name], inputs[name]
+            known = dtype in _ONNX_DTYPES.values()
+            feed[name] = value.astype(dtype, copy=False) if known else value
+        return [np.asarray(r) for r in self._session.run(self.output_names, feed)]

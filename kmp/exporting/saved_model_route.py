@@ -7,8 +7,9 @@ model's own ``tf.Variable`` objects once and holds one ``tf.function``, the sign
 ``serving_default``; a model that holds other TensorFlow resources (lookup tables), which
 that module does not track, is written by ``ExportArchive`` instead.
 
-The signature takes the traced input (float32 for a float input, whatever the model
-computes in) and returns float32: a model loaded in ``"float16"`` or ``"bfloat16"``
+The signature takes the served inputs by name (:mod:`kmp.exporting.signature`: float32 for
+a float input, whatever the model computes in; integer ids and masks as they are) and
+returns the outputs by name in float32: a model loaded in ``"float16"`` or ``"bfloat16"``
 computes in 16 bits with 16-bit weights inside the file, and its outputs are cast to
 float32 in the signature, so a caller sees float32 at both ends whatever the precision.
 """
@@ -21,52 +22,79 @@ from typing import Any
 import keras
 import numpy as np
 
-__all__ = ["SIGNATURE", "SavedModelRunner", "write_saved_model"]
+from kmp.exporting.signature import Runner, Signature, dtypes, output_items, tensor_specs
+
+__all__ = ["SIGNATURE", "SavedModelRunner", "serving_function", "write_saved_model"]
 
 SIGNATURE = "serving_default"
 
 
-def write_saved_model(model: keras.Model, path: str, spec: tuple[tuple, str]) -> None:
+def serving_function(model: keras.Model) -> Any:
+    """The served call: the model on its inputs, every output named and float outputs float32.
+
+    Backend-neutral (Keras ops), so TensorFlow traces it and Keras's JAX export converts it.
+
+    Args:
+        model: The Keras model, in the precision the file holds.
+
+    Returns:
+        A function of the inputs (as the model takes them) returning ``{name: tensor}``.
+    """
+
+    def serve(inputs: Any) -> dict[str, Any]:
+        served = {}
+        for name, tensor in output_items(model(inputs, training=False)):
+            if (
+                "float" in str(tensor.dtype)
+                and keras.backend.standardize_dtype(tensor.dtype) != "float32"
+            ):
+                tensor = keras.ops.cast(tensor, "float32")
+            served[name] = tensor
+        return served
+
+    return serve
+
+
+def write_saved_model(model: keras.Model, path: str, signature: Signature) -> None:
     """Write ``model`` as a SavedModel folder at ``path``.
+
+    Under TensorFlow a ``tf.Module`` holds each variable once; under JAX (or with an
+    untracked resource) Keras's ``ExportArchive`` writes it (under JAX through jax2tf).
 
     Args:
         model: The Keras model, in the precision the file holds.
         path: The folder to write (it must not exist).
-        spec: The input's ``(shape, dtype)``.
+        signature: The served inputs.
     """
     import tensorflow as tf
 
-    shape, dtype = spec
-    signature = [tf.TensorSpec(shape, dtype, name="inputs")]
-
-    def serve(inputs: Any) -> Any:
-        outputs = model(inputs, training=False)
-        if outputs.dtype.is_floating and outputs.dtype != tf.float32:
-            outputs = tf.cast(outputs, tf.float32)
-        return outputs
-
-    module = tf.Module()
-    module.weights = [v.value for v in model.variables]  # the tf.Variables, each once
-    module.serve = tf.function(serve, input_signature=signature)
-    try:
-        tf.saved_model.save(
-            module, path, signatures={SIGNATURE: module.serve.get_concrete_function()}
-        )
-        return
-    except (AssertionError, ValueError):  # an untracked resource: Keras's archive tracks it
-        shutil.rmtree(path, ignore_errors=True)
+    serve = serving_function(model)
+    specs = tensor_specs(signature)
+    if keras.backend.backend() == "tensorflow":
+        module = tf.Module()
+        module.weights = [v.value for v in model.variables]  # the tf.Variables, each once
+        module.serve = tf.function(serve, input_signature=specs)
+        try:
+            tf.saved_model.save(
+                module, path, signatures={SIGNATURE: module.serve.get_concrete_function()}
+            )
+            return
+        except (AssertionError, ValueError):  # an untracked resource: Keras's archive tracks it
+            shutil.rmtree(path, ignore_errors=True)
     archive = keras.export.ExportArchive()
     archive.track(model)
-    archive.add_endpoint("serve", serve, input_signature=signature)
+    archive.add_endpoint("serve", serve, input_signature=specs)
     archive.write_out(path, verbose=False)
 
 
-class SavedModelRunner:
+class SavedModelRunner(Runner):
     """A SavedModel loaded once in TensorFlow, run through its ``serving_default`` signature.
 
     Attributes:
-        input_dtype: The input dtype of the signature.
-        output_dtype: The output dtype of the signature.
+        input_names: The signature's inputs, in the order it lists them.
+        output_names: Its outputs.
+        input_dtype: The inputs' dtypes (distinct ones, joined with ", ").
+        output_dtype: The outputs' dtypes, the same way.
     """
 
     def __init__(self, path: str) -> None:
@@ -79,22 +107,24 @@ class SavedModelRunner:
 
         self._loaded = tf.saved_model.load(path)  # kept: the signature uses its variables
         self._signature = self._loaded.signatures[SIGNATURE]
-        (self._name, spec), *_ = self._signature.structured_input_signature[1].items()
-        (output,) = self._signature.structured_outputs.values()
-        self._dtype = spec.dtype
-        self.input_dtype: str = spec.dtype.name
-        self.output_dtype: str = output.dtype.name
+        self._specs = dict(self._signature.structured_input_signature[1])
+        outputs = self._signature.structured_outputs
+        self.input_names: list[str] = list(self._specs)
+        self.output_names: list[str] = list(outputs)
+        self.input_dtype: str = dtypes(s.dtype.name for s in self._specs.values())
+        self.output_dtype: str = dtypes(o.dtype.name for o in outputs.values())
 
-    def predict_on_batch(self, inputs: np.ndarray) -> np.ndarray:
-        """The signature's output on ``inputs`` (as a tensor of the input dtype).
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The signature's outputs on ``inputs`` (by name), in :attr:`output_names` order.
 
         Args:
-            inputs: A batch of inputs.
+            inputs: A batch for each input, by name.
 
         Returns:
-            The output, as a NumPy array.
+            The outputs, as NumPy arrays.
         """
         import tensorflow as tf
 
-        (output,) = self._signature(**{self._name: tf.constant(inputs, self._dtype)}).values()
-        return output.numpy()
+        given = {n: tf.constant(inputs[n], self._specs[n].dtype) for n in self.input_names}
+        outputs = self._signature(**given)
+        return [outputs[name].numpy() for name in self.output_names]
