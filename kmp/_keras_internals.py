@@ -21,6 +21,7 @@ __all__ = [
     "global_seed_generator",
     "is_tracer",
     "new_global_seed_generator",
+    "patch_tf2onnx",
     "stateless_value",
     "untracked",
 ]
@@ -121,3 +122,17 @@ def untracked(fn: Callable) -> Callable:
     from keras.src.utils.tracking import no_automatic_dependency_tracking
 
     return no_automatic_dependency_tracking(fn)
+
+
+def patch_tf2onnx() -> None:
+    """Keras's fix of tf2onnx 1.17 for NumPy 2, applied before kmp calls tf2onnx itself.
+
+    ``keras.src.export.tf2onnx_lib.patch_tf2onnx`` in Keras 3.10-3.15 (Keras applies it in
+    ``model.export(format="onnx")``; kmp's large-model route calls tf2onnx directly).
+    Nothing is done where it is absent.
+    """
+    try:
+        from keras.src.export.tf2onnx_lib import patch_tf2onnx as patch
+    except ImportError:  # a Keras without it: tf2onnx needs no patch there
+        return
+    patch()

@@ -303,7 +303,9 @@ def test_plan_routes_and_the_backend():
         plan_export("onnx", "float32", "m.onnx", backend="jax")
     with pytest.raises(RuntimeError, match=r"litert files under the tensorflow backend.*'torch'"):
         plan_export("litert", "float32", "m.tflite", backend="torch")
-    assert plan_export("saved_model", "float16", "m", backend="jax").runtime == "TensorFlow"
+    from_jax = plan_export("saved_model", "float16", "m", backend="jax")
+    assert from_jax.runtime == "TensorFlow" and not from_jax.free_lengths
+    assert plan_export("saved_model", "float16", "m").free_lengths
     with pytest.raises(ValueError, match=r"SavedModel is a folder"):
         plan_export("saved_model", "float32", "m.keras")
 
@@ -343,3 +345,33 @@ def test_the_serving_packages_are_pinned_and_installed_by_setup():
     assert pins == {"tf2onnx", "onnx", "onnxruntime", "onnxconverter-common", "ai-edge-litert"}
     with open(os.path.join(ROOT, "launch", "setup.sh")) as f:
         assert "requirements-serve.txt" in f.read()
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_a_model_over_the_limit_keeps_its_tensors_beside_the_file(
+    monkeypatch, mlp, digits, out, precision
+):
+    # The limit lowered to 100 kB (the MLP holds 660 kB of float32 weights): the same
+    # route as a model over 2 GiB, whose one protobuf could not hold it.
+    import onnx
+
+    from kmp.exporting import onnx_route
+
+    monkeypatch.setattr(onnx_route, "EXTERNAL_DATA_BYTES", 100_000)
+    _, _, x_test, y_test = digits
+    path = out / f"large_{precision}.onnx"
+    r = export(mlp, path, "onnx", precision, sample=x_test, labels=y_test, verbose=False)
+    data = out / f"large_{precision}.onnx.data"
+    assert data.stat().st_size > 0.9 * (330_000 if precision == "float16" else 660_000)
+    assert path.stat().st_size < 20_000  # the graph alone: the tensors are in the data file
+    assert r.size_bytes == path.stat().st_size + data.stat().st_size
+    graph = onnx.load(str(path), load_external_data=False)
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in graph.graph.initializer
+               if len(t.dims) == 2)  # fmt: skip
+    assert r.top1_agreement == 1.0 and r.max_abs_diff < BOUND[precision]
+    if precision == "float16":
+        assert r.size_ratio < 0.52
+    # Replaced together: both files are the new export's.
+    again = export(mlp, path, "onnx", "float32", sample=x_test, overwrite=True, verbose=False)
+    assert again.size_bytes == path.stat().st_size + data.stat().st_size
+    assert not [p for p in os.listdir(out) if p.startswith(".kmp-export")]

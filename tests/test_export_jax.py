@@ -15,6 +15,7 @@ import textwrap
 
 from tests._support import ROOT
 from tests.test_export import pytestmark as _export_marks
+from tests.test_zoo import needs_hub
 
 pytestmark = _export_marks
 
@@ -79,3 +80,48 @@ def test_a_model_trained_on_jax_exports_a_verified_saved_model(tmp_path):
     assert stored == {"bfloat16"}  # the weights are stored in 16 bits (the graph dominates)
     assert "KERAS_BACKEND=tensorflow" in out["onnx_error"]
     assert os.path.isdir(tmp_path / "bfloat16") and not os.path.exists(tmp_path / "m.onnx")
+
+
+STEP_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import keras, keras_hub, numpy as np
+    from kmp.exporting import cached_step, export, greedy_cached, open_runner
+
+    keras.utils.set_random_seed(1)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=256, num_layers=1, num_heads=2, hidden_dim=32,
+        intermediate_dim=64, max_sequence_length=64)
+    gpt = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    gpt.compile(sampler="greedy")
+    prompt = np.random.default_rng(0).integers(0, 256, (4, 16)).astype("int32")
+    ids = np.zeros((4, 48), "int32"); ids[:, :16] = prompt
+    mask = np.zeros_like(ids, bool); mask[:, :16] = True
+    ref = gpt.generate({"token_ids": ids, "padding_mask": mask}, stop_token_ids=None)
+    step = cached_step(gpt, 48)  # built on JAX: its spec traced on one token
+    cache = np.zeros((4, *step.input["kv_cache"].shape[1:]), "float32")
+    one = {"token_ids": prompt[:, :1], "kv_cache": cache, "index": np.zeros(4, "int32")}
+    r = export(step, sys.argv[1] + "/step", "saved_model", sample=one, verbose=False)
+    runner = open_runner(sys.argv[1] + "/step")
+    tokens = greedy_cached(runner, prompt, 32)
+    print("RESULT " + json.dumps({
+        "same": bool((tokens == np.asarray(ref["token_ids"])).all()),
+        "served": {k: list(v) for k, v in runner.input_shapes.items()},
+        "max_abs_diff": r.max_abs_diff}))
+    """
+)
+
+
+@needs_hub
+def test_a_kerashub_cached_step_exported_from_jax_generates_kerass_tokens(tmp_path):
+    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", STEP_CHILD, str(tmp_path)], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    out = json.loads(line[len("RESULT ") :])
+    assert out["served"]["token_ids"] == [None, 1]  # JAX: the sample's length, one token
+    assert out["max_abs_diff"] < 1e-4
+    assert out["same"]  # the prompt fed token by token, then 32 greedy tokens: Keras's

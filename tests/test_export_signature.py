@@ -60,6 +60,9 @@ def test_the_signature_names_every_input_and_output(two_in_two_out, sample):
     outputs = name_outputs(two_in_two_out(sig.pack(list(fed.values()))))
     assert list(outputs) == ["label", "score"]  # sorted, as Keras and TensorFlow flatten
     assert outputs["label"].shape == (16, 4) and outputs["score"].shape == (16, 1)
+    # Under JAX the free sequence length is fixed to the sample's (the batch stays free).
+    fixed = {s.name: s.shape for s in sig.with_lengths(fed).inputs}
+    assert fixed == {"features": (None, 6), "token_ids": (None, 9)}
     # A tuple in the model's input order feeds the same arrays.
     in_order = tuple(sample[name] for name in sig.names)
     assert all(np.array_equal(feed(in_order, sig)[n], fed[n]) for n in sig.names)
@@ -107,6 +110,9 @@ def test_bad_samples_say_which_input(two_in_two_out, sample, tmp_path):
         export(two_in_two_out, path, "onnx", sample={**sample, "token_ids": ["a b"] * 16})
     with pytest.raises(ValueError, match=r"takes 2 inputs .* one ndarray"):
         export(two_in_two_out, path, "onnx", sample=sample["features"])
+    wide = {**sample, "features": np.zeros((16, 7))}
+    with pytest.raises(ValueError, match=r"input 'features' takes shape \(None, 6\)"):
+        export(two_in_two_out, path, "onnx", sample=wide)
     short = {**sample, "token_ids": sample["token_ids"][:3]}
     with pytest.raises(ValueError, match=r"different batch sizes"):
         export(two_in_two_out, path, "onnx", sample=short)

@@ -141,7 +141,16 @@ FACES: dict[str, set[str]] = {
         "wrap_optimizer",
     },
     "kmp.saving": {"load_model", "read_state", "save_model"},
-    "kmp.exporting": {"ExportPlan", "ExportResult", "export", "plan_export"},
+    "kmp.exporting": {
+        "ExportPlan",
+        "ExportResult",
+        "cached_step",
+        "export",
+        "greedy",
+        "greedy_cached",
+        "open_runner",
+        "plan_export",
+    },
     "kmp.quantizing": {"LayerOutcome", "QuantizeReport", "quantize"},
     "kmp.xla": {"fused", "jit_gradients", "step_jit_compile"},
     "kmp.versions": {

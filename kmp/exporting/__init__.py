@@ -11,7 +11,10 @@ interpreter) on real inputs and compares it with the model in float32::
 Inputs and outputs stay float32 in every format and precision. A model trained under a
 mixed policy exports as it is: the reference and the exported weights come from a float32
 copy (or, for a 16-bit SavedModel, a copy loaded in that precision by
-:func:`kmp.load_model`). docs/exporting.md is the guide.
+:func:`kmp.load_model`). Several named inputs and outputs (a KerasHub task's dict) are
+served by name. :func:`open_runner` opens a written file in its runtime;
+:func:`greedy` and :func:`greedy_cached` generate from an exported causal LM (the task,
+or its :func:`cached_step`). docs/exporting.md is the guide.
 """
 
 from __future__ import annotations
@@ -19,5 +22,16 @@ from __future__ import annotations
 from kmp.exporting.export_plan import ExportPlan, plan_export
 from kmp.exporting.export_result import ExportResult
 from kmp.exporting.exporter import export
+from kmp.exporting.generation import cached_step, greedy, greedy_cached
+from kmp.exporting.runners import open_runner
 
-__all__ = ["ExportPlan", "ExportResult", "export", "plan_export"]
+__all__ = [
+    "ExportPlan",
+    "ExportResult",
+    "cached_step",
+    "export",
+    "greedy",
+    "greedy_cached",
+    "open_runner",
+    "plan_export",
+]

@@ -89,6 +89,10 @@ class ExportPlan:
             ``"onnxruntime"``, ``"LiteRT"``).
         modules: The modules it needs, each with what for (``(module, purpose)``);
             the runtime's is among them when the export is verified.
+        free_lengths: Whether the inputs' free axes other than the batch (a sequence
+            length) stay free in the file. Under JAX they are fixed to the sample's:
+            jax2tf's shape polymorphism cannot prove that a free length fits a KerasHub
+            model's position table, and refuses to convert.
     """
 
     format: str
@@ -99,6 +103,7 @@ class ExportPlan:
     half_pass: str | None
     runtime: str
     modules: tuple[tuple[str, str], ...]
+    free_lengths: bool = True
 
 
 def _choice(name: str, value: object, options: tuple[str, ...], aliases: dict[str, str]) -> str:
@@ -241,4 +246,5 @@ def plan_export(
         half_pass=half_pass,
         runtime=runtime,
         modules=modules,
+        free_lengths=backend != "jax",
     )

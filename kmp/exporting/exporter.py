@@ -29,6 +29,7 @@ from kmp.exporting.comparison import compare
 from kmp.exporting.export_plan import ExportPlan, plan_export
 from kmp.exporting.export_result import ExportResult
 from kmp.exporting.keras_copies import ModelCopies
+from kmp.exporting.runners import open_runner
 from kmp.exporting.signature import Signature, align_outputs, feed, name_outputs, signature_of
 from kmp.layer_walk import walk
 
@@ -57,9 +58,16 @@ def require_modules(plan: ExportPlan) -> None:
             ) from exc
 
 
+def _beside(path: str) -> list[str]:
+    """The files written with ``path``: an ONNX file's external data, where it has one."""
+    from kmp.exporting.onnx_route import data_file
+
+    return [data_file(path)] if path.endswith(".onnx") else []
+
+
 def _size(path: str) -> int:
     if not os.path.isdir(path):
-        return os.path.getsize(path)
+        return sum(os.path.getsize(p) for p in [path, *_beside(path)] if os.path.exists(p))
     return sum(
         os.path.getsize(os.path.join(folder, name))
         for folder, _, names in os.walk(path)
@@ -89,14 +97,8 @@ def _run(
     plan: ExportPlan, target: str, inputs: dict[str, np.ndarray], names: list[str]
 ) -> tuple[dict[str, np.ndarray], str, str]:
     """Run the written file once in its runtime: ``(outputs by name, input and output dtypes)``."""
-    if plan.format == "onnx":
-        from kmp.exporting.onnx_route import OnnxRunner as Runner
-    elif plan.format == "litert":
-        from kmp.exporting.litert_route import LiteRTRunner as Runner
-    else:
-        from kmp.exporting.saved_model_route import SavedModelRunner as Runner
     try:
-        runner = Runner(target)
+        runner = open_runner(target, plan.format)
         outputs = align_outputs(names, runner.output_names, runner.run(inputs))
         return outputs, runner.input_dtype, runner.output_dtype
     except Exception as exc:
@@ -107,9 +109,12 @@ def _run(
 
 
 def _move_into_place(staged: str, path: str, staging: str) -> None:
-    if os.path.lexists(path):  # overwrite=True: the old one goes only now
-        os.replace(path, os.path.join(staging, ".replaced"))
-    os.replace(staged, path)
+    for i, old in enumerate([path, *_beside(path)]):
+        if os.path.lexists(old):  # overwrite=True: the old one goes only now
+            os.replace(old, os.path.join(staging, f".replaced{i}"))
+    for new, final in zip([staged, *_beside(staged)], [path, *_beside(path)], strict=True):
+        if os.path.lexists(new):
+            os.replace(new, final)
 
 
 def _check_model(model: Any) -> None:
@@ -208,8 +213,11 @@ def export(
     with ModelCopies(model) as copies:
         reference = copies.in_policy("float32")
         spec = signature_of(reference, sample)
-        if verify:
+        if sample is not None:  # checked against the model even when not verified
             inputs = feed(sample, spec)
+            if not plan.free_lengths:
+                spec = spec.with_lengths(inputs)
+        if verify:
             expected = name_outputs(reference(spec.pack(list(inputs.values())), training=False))
         staging = tempfile.mkdtemp(prefix=".kmp-export-", dir=parent)
         try:

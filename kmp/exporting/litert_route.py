@@ -115,6 +115,10 @@ class LiteRTRunner(Runner):
         self._inputs = {name: (d["index"], d["dtype"]) for name, d in given.items()}
         self._outputs = {name: d["index"] for name, d in outputs.items()}
         self.input_names: list[str] = list(given)
+        self.input_shapes = {
+            n: tuple(None if d < 0 else int(d) for d in g["shape_signature"])
+            for n, g in given.items()
+        }
         self.output_names: list[str] = list(outputs)
         self.input_dtype: str = dtypes(np.dtype(d["dtype"]).name for d in given.values())
         self.output_dtype: str = dtypes(np.dtype(d["dtype"]).name for d in outputs.values())

@@ -6,7 +6,10 @@ a layer ONNX cannot hold (:mod:`kmp.exporting.unsupported`). For float16 the flo
 is passed through onnxconverter-common's ``convert_float_to_float16`` with
 ``keep_io_types=True``: every weight is stored in float16, the graph computes in float16
 (but for the ops the pass keeps in float32, with casts around them) and casts at both ends,
-so the inputs and outputs stay float32.
+so the inputs and outputs stay float32. A model with 1 GiB of float32 weights or more
+(:data:`EXTERNAL_DATA_BYTES`) is converted by tf2onnx's external-tensor route and written
+as ``model.onnx`` plus ``model.onnx.data`` (one protobuf holds at most 2 GiB);
+onnxruntime reads the two together.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import warnings
+import zipfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +29,7 @@ import numpy as np
 from kmp.exporting.signature import Runner, Signature, dtypes, tensor_specs
 from kmp.exporting.unsupported import unsupported_error
 
-__all__ = ["OnnxRunner", "write_onnx"]
+__all__ = ["EXTERNAL_DATA_BYTES", "OnnxRunner", "data_file", "write_onnx"]
 
 # The ONNX domains onnxruntime's standard kernels implement.
 _STANDARD_DOMAINS = ("", "ai.onnx", "ai.onnx.ml")
@@ -32,6 +37,24 @@ _ADVICE = (
     "Export it with format='saved_model', or replace the layer with one built from ops "
     "ONNX has (https://onnx.ai/onnx/operators/)."
 )
+# A model whose float32 weights reach this many bytes is written with its tensors in a
+# separate file beside the .onnx (``model.onnx.data``): one ONNX protobuf holds at most
+# 2 GiB. Below it the file is one protobuf, as Keras writes it.
+EXTERNAL_DATA_BYTES = 1 << 30
+
+
+def data_file(path: str) -> str:
+    """Where an ONNX file's external tensors go: ``<path>.data`` beside it.
+
+    Args:
+        path: The ``.onnx`` file.
+
+    Returns:
+        The data file's path (it exists only for a model written with external data).
+    """
+    return path + ".data"
+
+
 _ONNX_DTYPES = {
     "tensor(float)": "float32",
     "tensor(float16)": "float16",
@@ -112,6 +135,54 @@ def _cast_as_typed(graph: Any) -> None:
                 attribute.i = TensorProto.FLOAT16
 
 
+def _weight_bytes(model: keras.Model) -> int:
+    return sum(4 * int(np.prod(w.shape)) for w in model.weights)
+
+
+def _convert_large(model: keras.Model, signature: Signature) -> Any:
+    """tf2onnx's external-tensor route for a model over one protobuf's limit: the graph.
+
+    The served call (:func:`kmp.exporting.saved_model_route.serving_function`) is
+    converted with ``large_model=True``, which writes a zip of the graph and its tensors;
+    the graph is read back with its tensors.
+    """
+    import onnx
+    import tensorflow as tf
+    import tf2onnx
+
+    from kmp._keras_internals import patch_tf2onnx
+    from kmp.exporting.saved_model_route import serving_function
+
+    specs = tensor_specs(signature)
+    serve = tf.function(serving_function(model), input_signature=specs)
+    patch_tf2onnx()
+    with tempfile.TemporaryDirectory(prefix="kmp-onnx-") as folder:
+        zipped = os.path.join(folder, "model.zip")
+        tf2onnx.convert.from_function(serve, specs, large_model=True, output_path=zipped)
+        with zipfile.ZipFile(zipped) as archive:
+            archive.extractall(folder)
+        return onnx.load(os.path.join(folder, "__MODEL_PROTO.onnx"))
+
+
+def _save(graph: Any, path: str, external: bool) -> int:
+    """Save ``graph`` at ``path`` (tensors in :func:`data_file` if ``external``); its bytes."""
+    import onnx
+
+    if not external:
+        onnx.save(graph, path)
+        return os.path.getsize(path)
+    if os.path.exists(data_file(path)):  # onnx appends to a data file that exists
+        os.remove(data_file(path))
+    onnx.save(
+        graph,
+        path,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=os.path.basename(data_file(path)),
+    )
+    return os.path.getsize(path) + os.path.getsize(data_file(path))
+
+
 def write_onnx(
     model: keras.Model,
     path: str,
@@ -136,9 +207,22 @@ def write_onnx(
     """
     import onnx
 
-    with _quiet():
-        model.export(path, format="onnx", verbose=False, input_signature=tensor_specs(signature))
-    graph = onnx.load(path)
+    external = _weight_bytes(model) >= EXTERNAL_DATA_BYTES
+    try:
+        with _quiet():
+            if external:
+                graph = _convert_large(model, signature)
+            else:
+                model.export(
+                    path, format="onnx", verbose=False, input_signature=tensor_specs(signature)
+                )
+                graph = onnx.load(path)
+    except ValueError as exc:  # tf2onnx lost a graph input to an op it could not convert
+        raise ValueError(
+            f"kmp.export: tf2onnx could not convert {type(model).__name__} to ONNX "
+            f"({exc}); it drops the part of the graph that holds an op ONNX lacks (a "
+            "KerasHub cache update, XlaDynamicUpdateSlice, is one). " + _ADVICE
+        ) from exc
     unknown = [
         (node.op_type, node.name)
         for node in graph.graph.node
@@ -146,17 +230,24 @@ def write_onnx(
     ]
     if unknown:
         raise unsupported_error("ONNX", unknown, layers, _ADVICE)
-    float32_size = os.path.getsize(path)
-    if half:
-        from onnxconverter_common import float16
+    float32_size = _save(graph, path, external) if external else os.path.getsize(path)
+    if not half:
+        return float32_size
+    from onnx.external_data_helper import load_external_data_for_model
+    from onnxconverter_common import float16
 
-        with _quiet():
-            # Every tensor typed first, so the pass retypes each one it makes float16.
-            graph = onnx.shape_inference.infer_shapes(graph)
-            _unshare_blocked_constants(graph, set(float16.DEFAULT_OP_BLOCK_LIST))
-            graph = float16.convert_float_to_float16(graph, keep_io_types=True)
-        _cast_as_typed(graph)
-        onnx.save(graph, path)
+    with _quiet():
+        # Every tensor typed first, so the pass retypes each one it makes float16 (typed
+        # without its tensors when they are external: a graph over 2 GiB cannot be).
+        if external:
+            graph = onnx.load(path, load_external_data=False)
+        graph = onnx.shape_inference.infer_shapes(graph)
+        if external:
+            load_external_data_for_model(graph, os.path.dirname(os.path.abspath(path)))
+        _unshare_blocked_constants(graph, set(float16.DEFAULT_OP_BLOCK_LIST))
+        graph = float16.convert_float_to_float16(graph, keep_io_types=True)
+    _cast_as_typed(graph)
+    _save(graph, path, external)
     return float32_size
 
 
@@ -184,6 +275,9 @@ class OnnxRunner(Runner):
         given, outputs = self._session.get_inputs(), self._session.get_outputs()
         self._types = {i.name: _ONNX_DTYPES.get(i.type, i.type) for i in given}
         self.input_names: list[str] = [i.name for i in given]
+        self.input_shapes = {
+            i.name: tuple(d if isinstance(d, int) else None for d in i.shape) for i in given
+        }
         self.output_names: list[str] = [o.name for o in outputs]
         self.input_dtype: str = dtypes(self._types.values())
         self.output_dtype: str = dtypes(_ONNX_DTYPES.get(o.type, o.type) for o in outputs)

@@ -110,6 +110,7 @@ class SavedModelRunner(Runner):
         self._specs = dict(self._signature.structured_input_signature[1])
         outputs = self._signature.structured_outputs
         self.input_names: list[str] = list(self._specs)
+        self.input_shapes = {n: tuple(s.shape.as_list()) for n, s in self._specs.items()}
         self.output_names: list[str] = list(outputs)
         self.input_dtype: str = dtypes(s.dtype.name for s in self._specs.values())
         self.output_dtype: str = dtypes(o.dtype.name for o in outputs.values())

@@ -69,6 +69,23 @@ class Signature:
         """The inputs' names, in order."""
         return tuple(spec.name for spec in self.inputs)
 
+    def with_lengths(self, arrays: Mapping[str, np.ndarray]) -> Signature:
+        """The signature with each free axis but the batch fixed to the arrays' sizes.
+
+        Args:
+            arrays: One batch per input, by name (:func:`feed`'s output).
+
+        Returns:
+            A signature whose only free axis is each input's batch.
+        """
+
+        def fixed(spec: InputSpec) -> InputSpec:
+            sizes = arrays[spec.name].shape[1:]
+            rest = (size if d is None else d for d, size in zip(spec.shape[1:], sizes, strict=True))
+            return dataclasses.replace(spec, shape=(None, *rest))
+
+        return dataclasses.replace(self, inputs=tuple(fixed(spec) for spec in self.inputs))
+
     def pack(self, values: Sequence[Any]) -> Any:
         """``values`` (one per input, in order) as the model takes them.
 
@@ -245,6 +262,13 @@ def feed(sample: Any, signature: Signature) -> dict[str, np.ndarray]:
                 f"kmp.export: input {spec.name!r} takes {spec.dtype}, the sample gives "
                 f"{array.dtype}. Pass {spec.dtype} values (token ids and masks are integers)."
             )
+        if len(spec.shape) != array.ndim or any(
+            d not in (None, size) for d, size in zip(spec.shape[1:], array.shape[1:], strict=True)
+        ):
+            raise ValueError(
+                f"kmp.export: input {spec.name!r} takes shape {spec.shape} (None: any size); "
+                f"the sample gives {array.shape}. Pass a batch the model takes."
+            )
         arrays[spec.name] = array.astype(spec.dtype, copy=False)
     sizes = {name: len(a) for name, a in arrays.items()}
     if len(set(sizes.values())) > 1:
@@ -314,11 +338,13 @@ class Runner:
     """What each format's runner shares: its inputs by name, and one-input convenience.
 
     Subclasses open a file in its runtime and set :attr:`input_names`,
-    :attr:`output_names`, ``input_dtype`` and ``output_dtype``.
+    :attr:`output_names`, :attr:`input_shapes` (None for a free axis), ``input_dtype``
+    and ``output_dtype``.
     """
 
     input_names: list[str]
     output_names: list[str]
+    input_shapes: dict[str, tuple[int | None, ...]]
 
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The file's outputs on a batch for each input (by name), in output order."""

@@ -1,0 +1,333 @@
+"""KerasHub models served (issue 57): exports agree, generation and int8 measured.
+
+    .venv/bin/python bench/serving_hub.py            # TensorFlow: every part
+    KERAS_BACKEND=jax .venv/bin/python bench/serving_hub.py   # JAX: SavedModel, int8 speed
+
+Real text throughout: the Python standard library's sources, one token per byte.
+
+1. A BERT text classifier (2 layers, 256 wide, vocabulary 256, 64 tokens) trained 2
+   epochs to tell which of three standard-library modules a window comes from, exported
+   to ONNX and LiteRT in float32 and float16 (SavedModel too): top-1 agreement with Keras
+   float32 on 256 held-out windows and each file's size against float32's.
+2. A GPT-2 (2 layers, 128 wide, vocabulary 256, window 64) trained 3 epochs under
+   ``kmp.enable("auto")``: ONNX and LiteRT float16 logits against float32 Keras
+   (largest relative difference, next-token agreement).
+3. Generation, greedy, 32 new tokens after 16 of real text, batch 4, float32: Keras's own
+   ``generate`` (its cache, its compiled loop) beside ``kmp.exporting.greedy`` on the ONNX
+   file of the task (the window each step) and ``greedy_cached`` on SavedModel and LiteRT
+   files of ``cached_step``: tokens/s and whether the tokens are Keras's.
+4. int8 (``kmp.quantize``: the EinsumDense and Dense layers whose error allows it): the
+   held-out perplexity beside float32's and Keras ``generate``'s tokens/s beside float32's.
+
+Results: ``bench/results/serving_hub[_jax].{json,md}`` with the CPU they ran on. About 4
+minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import _common  # noqa: E402
+
+SEQ, PROMPT, NEW, BATCH = 64, 16, 32, 4
+SUFFIX = {"onnx": ".onnx", "litert": ".tflite", "saved_model": ""}
+MODULES = ("argparse.py", "inspect.py", "typing.py")  # the classifier's three classes
+
+
+def _median(fn, repeats: int = 5) -> float:
+    fn()  # compile / plan once
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def text_windows(rng: np.random.Generator):
+    """Classifier windows (module index labels) and GPT windows, train and held out."""
+    from kmp.datasets import text
+
+    stdlib = text.stdlib_dir()
+    xs, ys = [], []
+    for label, name in enumerate(MODULES):
+        data = np.frombuffer((stdlib / name).read_bytes(), np.uint8)[: 384 * SEQ]
+        rows = data[: len(data) // SEQ * SEQ].reshape(-1, SEQ)
+        xs.append(rows)
+        ys.append(np.full(len(rows), label))
+    x, y = np.concatenate(xs).astype("int32"), np.concatenate(ys).astype("int32")
+    order = rng.permutation(len(x))
+    x, y = x[order], y[order]
+    corpus = text.read_corpus(max_bytes=400_000).data.astype("int32")
+    lm = corpus[: 2000 * (SEQ + 1)].reshape(-1, SEQ + 1)
+    return (x[:-256], y[:-256], x[-256:], y[-256:]), (lm[:-128], lm[-128:])
+
+
+def bert_features(ids: np.ndarray) -> dict:
+    return {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": np.ones_like(ids)}
+
+
+def lm_features(rows: np.ndarray) -> dict:
+    return {"token_ids": rows[:, :-1], "padding_mask": np.ones_like(rows[:, :-1])}
+
+
+def classifier_part(data, folder: str, backend: str) -> list[dict]:
+    import keras
+    import keras_hub
+
+    import kmp
+
+    x, y, x_test, y_test = data
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=256, num_layers=2, num_heads=4, hidden_dim=256,
+        intermediate_dim=1024, max_sequence_length=SEQ,
+    )  # fmt: skip
+    model = keras_hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None)
+    model.compile(keras.optimizers.Adam(5e-4), keras.losses.SparseCategoricalCrossentropy(True))
+    model.fit(bert_features(x), y, epochs=2, batch_size=32, verbose=0)
+    formats = [("saved_model", "float32"), ("saved_model", "float16")]
+    if backend == "tensorflow":
+        formats += [(f, p) for f in ("onnx", "litert") for p in ("float32", "float16")]
+    rows = []
+    for fmt, precision in formats:
+        path = os.path.join(folder, f"bert-{fmt}-{precision}{SUFFIX[fmt]}")
+        r = kmp.export(model, path, fmt, precision, sample=bert_features(x_test), labels=y_test,
+                       verbose=False)  # fmt: skip
+        rows.append({"model": "bert", "format": fmt, "precision": precision, **_measures(r)})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _measures(r) -> dict:
+    return {
+        "size_bytes": r.size_bytes,
+        "size_ratio": r.size_ratio,
+        "max_abs_diff": r.max_abs_diff,
+        "max_rel_diff": r.max_rel_diff,
+        "top1_agreement": r.top1_agreement,
+        "accuracy": r.accuracy,
+        "float32_accuracy": r.float32_accuracy,
+        "perplexity": r.perplexity,
+        "float32_perplexity": r.float32_perplexity,
+    }
+
+
+def train_gpt(train: np.ndarray):
+    import keras
+    import keras_hub
+
+    import kmp
+
+    keras.utils.set_random_seed(0)
+    with kmp.policy_scope("auto"):
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=256, num_layers=2, num_heads=4, hidden_dim=128,
+            intermediate_dim=512, max_sequence_length=SEQ,
+        )  # fmt: skip
+        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        model.compile(kmp.wrap_optimizer(keras.optimizers.Adam(2e-3)))
+        model.fit(lm_features(train), train[:, 1:], epochs=3, batch_size=32, verbose=0)
+    return model
+
+
+def gpt_part(gpt, held_out: np.ndarray, folder: str, backend: str) -> list[dict]:
+    import kmp
+
+    formats = [("saved_model", "float16")]
+    if backend == "tensorflow":
+        formats += [("onnx", "float16"), ("litert", "float16")]
+    rows = []
+    for fmt, precision in formats:
+        path = os.path.join(folder, f"gpt-{fmt}-{precision}{SUFFIX[fmt]}")
+        r = kmp.export(gpt, path, fmt, precision, sample=lm_features(held_out),
+                       labels=held_out[:, 1:], verbose=False)  # fmt: skip
+        rows.append({"model": "gpt", "format": fmt, "precision": precision, **_measures(r)})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def keras_generate(model, prompt: np.ndarray):
+    ids = np.zeros((len(prompt), PROMPT + NEW), "int32")
+    ids[:, :PROMPT] = prompt
+    mask = np.zeros_like(ids, dtype=bool)
+    mask[:, :PROMPT] = True
+    out = model.generate({"token_ids": ids, "padding_mask": mask}, stop_token_ids=None)
+    return np.asarray(out["token_ids"])
+
+
+def generation_part(gpt32, prompt: np.ndarray, folder: str, backend: str) -> list[dict]:
+    import kmp
+    from kmp.exporting.generation import cached_step, greedy, greedy_cached
+    from kmp.exporting.runners import open_runner
+
+    gpt32.compile(sampler="greedy")
+    reference = keras_generate(gpt32, prompt)
+    tokens = len(prompt) * NEW
+    rows = [{"how": "Keras generate (cache, compiled loop)",
+             "tokens_per_s": tokens / _median(lambda: keras_generate(gpt32, prompt)),
+             "same_tokens": True}]  # fmt: skip
+    window = np.zeros((len(prompt), PROMPT + NEW), "int32")
+    step = cached_step(gpt32, PROMPT + NEW)
+    cache = np.zeros((len(prompt), *step.input["kv_cache"].shape[1:]), "float32")
+    # Under JAX the served lengths are the sample's: one token per step (the prompt too).
+    step_ids = prompt if backend == "tensorflow" else prompt[:, :1]
+    step_sample = {
+        "token_ids": step_ids,
+        "kv_cache": cache,
+        "index": np.zeros(len(prompt), "int32"),
+    }
+    plans = [("saved_model", "task", "gpt32"), ("saved_model", "step", "step32")]
+    if backend == "tensorflow":
+        plans += [("onnx", "task", "gpt32.onnx"), ("litert", "step", "step32.tflite")]
+    for fmt, kind, name in plans:
+        path = os.path.join(folder, name)
+        if kind == "task":
+            sample = {"token_ids": window, "padding_mask": np.ones_like(window)}
+            kmp.export(gpt32, path, fmt, sample=sample, verbose=False)
+            runner = open_runner(path, num_threads=os.cpu_count())
+            decode = lambda r=runner: greedy(r, prompt, NEW)  # noqa: E731
+        else:
+            kmp.export(step, path, fmt, sample=step_sample, verbose=False)
+            runner = open_runner(path, num_threads=os.cpu_count())
+            decode = lambda r=runner: greedy_cached(r, prompt, NEW)  # noqa: E731
+        got = decode()
+        how = f"{fmt} file, " + ("greedy over the window" if kind == "task" else "cached step")
+        rows.append({"how": how, "tokens_per_s": tokens / _median(decode),
+                     "same_tokens": bool(np.array_equal(got, reference))})  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
+def int8_part(gpt32, held_out: np.ndarray, prompt: np.ndarray) -> dict:
+    import keras
+
+    import kmp
+    from kmp._outputs import perplexity
+
+    def ppl(model) -> float:
+        logits = keras.ops.convert_to_numpy(model.predict_on_batch(lm_features(held_out)))
+        return perplexity(np.asarray(logits, np.float32), held_out[:, 1:])
+
+    tokens = len(prompt) * NEW
+    float32 = {"perplexity": ppl(gpt32),
+               "tokens_per_s": tokens / _median(lambda: keras_generate(gpt32, prompt))}  # fmt: skip
+    report = kmp.quantize(gpt32, "int8", lm_features(held_out[:32]))
+    int8 = {"perplexity": ppl(gpt32),
+            "tokens_per_s": tokens / _median(lambda: keras_generate(gpt32, prompt)),
+            "quantized_layers": sum(1 for o in report.layers if o.quantized)}  # fmt: skip
+    base = float32["perplexity"]
+    out = {"float32": float32, "int8": int8,
+           "perplexity_diff": abs(int8["perplexity"] - base) / base,
+           "speed_ratio": int8["tokens_per_s"] / float32["tokens_per_s"]}  # fmt: skip
+    print(out, flush=True)
+    return out
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [
+        f"# KerasHub models served ({result['backend']} backend)",
+        "",
+        f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, {m['date']}; "
+        "bench/serving_hub.py. Real text: the standard library's sources, byte tokens.",
+        "",
+        "## Exports against Keras float32",
+        "",
+        _common.markdown_table(
+            [
+                "model",
+                "format",
+                "precision",
+                "size",
+                "of float32",
+                "top-1 agreement",
+                "largest rel. diff",
+                "accuracy / perplexity (float32 Keras)",
+            ],
+            [
+                [
+                    r["model"],
+                    r["format"],
+                    r["precision"],
+                    f"{r['size_bytes'] / 1e6:.2f} MB",
+                    "" if r["size_ratio"] is None else f"{r['size_ratio']:.3f}",
+                    f"{100 * r['top1_agreement']:.2f}%",
+                    f"{r['max_rel_diff']:.2e}",
+                    f"{100 * r['accuracy']:.2f}% ({100 * r['float32_accuracy']:.2f}%)"
+                    if r["accuracy"] is not None
+                    else f"{r['perplexity']:.3f} ({r['float32_perplexity']:.3f})",
+                ]
+                for r in result["exports"]
+            ],
+        ),
+        "",
+        f"## Generation: greedy, {NEW} new tokens after {PROMPT}, batch {BATCH}, float32",
+        "",
+        _common.markdown_table(
+            ["how", "tokens/s", "of Keras generate", "Keras's tokens"],
+            [
+                [
+                    r["how"],
+                    f"{r['tokens_per_s']:.0f}",
+                    f"{r['tokens_per_s'] / result['generation'][0]['tokens_per_s']:.2f}x",
+                    "identical" if r["same_tokens"] else "differ",
+                ]
+                for r in result["generation"]
+            ],
+        ),
+        "",
+        "## int8 (kmp.quantize) against float32, Keras generate",
+        "",
+    ]
+    q = result["int8"]
+    lines.append(
+        f"- perplexity {q['int8']['perplexity']:.3f} vs {q['float32']['perplexity']:.3f} "
+        f"(relative difference {100 * q['perplexity_diff']:.2f}%), "
+        f"{q['int8']['quantized_layers']} layers quantized"
+    )
+    lines.append(
+        f"- tokens/s {q['int8']['tokens_per_s']:.0f} vs {q['float32']['tokens_per_s']:.0f} "
+        f"({q['speed_ratio']:.2f}x)"
+    )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    import keras
+
+    import kmp
+
+    backend = keras.backend.backend()
+    rng = np.random.default_rng(0)
+    bert_data, (lm_train, lm_held) = text_windows(rng)
+    prompt = lm_held[:BATCH, :PROMPT]
+    with tempfile.TemporaryDirectory(prefix="kmp-serving-hub-") as folder:
+        exports = classifier_part(bert_data, folder, backend)
+        gpt = train_gpt(lm_train)
+        exports += gpt_part(gpt, lm_held, folder, backend)
+        saved = os.path.join(folder, "gpt.keras")
+        kmp.save_model(gpt, saved)
+        gpt32 = kmp.load_model(saved, policy="float32")
+        generation = generation_part(gpt32, prompt, folder, backend)
+        int8 = int8_part(gpt32, lm_held, prompt)
+    result = {"backend": backend, "machine": _common.machine(), "exports": exports,
+              "generation": generation, "int8": int8}  # fmt: skip
+    name = "serving_hub" + ("" if backend == "tensorflow" else f"_{backend}")
+    _common.write_results(name, result, markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
