@@ -63,6 +63,12 @@ def test_the_signature_names_every_input_and_output(two_in_two_out, sample):
     # Under JAX the free sequence length is fixed to the sample's (the batch stays free).
     fixed = {s.name: s.shape for s in sig.with_lengths(fed).inputs}
     assert fixed == {"features": (None, 6), "token_ids": (None, 9)}
+    # A single-input model takes its batch as it is, in a list or under any one name.
+    one = signature_of(keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)]), None)
+    assert one.names == ("inputs",) and one.structure == "single"
+    x = sample["features"]
+    for given in (x, [x], {"image": x}):
+        assert np.array_equal(feed(given, one)["inputs"], x.astype("float32"))
     # A tuple in the model's input order feeds the same arrays.
     in_order = tuple(sample[name] for name in sig.names)
     assert all(np.array_equal(feed(in_order, sig)[n], fed[n]) for n in sig.names)

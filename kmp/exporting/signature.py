@@ -226,6 +226,8 @@ def feed(sample: Any, signature: Signature) -> dict[str, np.ndarray]:
             floats are given for an integer input.
     """
     names = signature.names
+    if isinstance(sample, Mapping) and signature.structure == "single" and len(sample) == 1:
+        sample = next(iter(sample.values()))  # one input, under whatever name it was given
     if isinstance(sample, Mapping):
         unknown = [str(k) for k in sample if str(k) not in names]
         missing = [n for n in names if n not in {str(k) for k in sample}]
