@@ -56,15 +56,20 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_a_model_trained_on_jax_exports_a_verified_saved_model(tmp_path):
+def _on_jax(script: str, folder) -> dict:
+    """Run ``script`` (given ``folder``) in a child on the JAX backend: its RESULT line."""
     env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(tmp_path)], cwd=ROOT, env=env,
+        [sys.executable, "-c", script, str(folder)], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    out = json.loads(line[len("RESULT ") :])
+    return json.loads(line[len("RESULT ") :])
+
+
+def test_a_model_trained_on_jax_exports_a_verified_saved_model(tmp_path):
+    out = _on_jax(CHILD, tmp_path)
     assert out["backend"] == "jax"
     exact, half = out["float32"], out["bfloat16"]
     for r in (exact, half):
@@ -114,14 +119,7 @@ STEP_CHILD = textwrap.dedent(
 
 @needs_hub
 def test_a_kerashub_cached_step_exported_from_jax_generates_kerass_tokens(tmp_path):
-    env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(
-        [sys.executable, "-c", STEP_CHILD, str(tmp_path)], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    out = json.loads(line[len("RESULT ") :])
+    out = _on_jax(STEP_CHILD, tmp_path)
     assert out["served"]["token_ids"] == [None, 1]  # JAX: the sample's length, one token
     assert out["max_abs_diff"] < 1e-4
     assert out["same"]  # the prompt fed token by token, then 32 greedy tokens: Keras's

@@ -243,26 +243,25 @@ def greedy_cached(runner: Runner, prompt: object, new_tokens: int) -> np.ndarray
             f"do not fit the exported cache of {shape[CACHE_LENGTH_AXIS]}; export "
             f"cached_step(task, length={length + new_tokens}) or ask for fewer tokens."
         )
-    names = list(runner.output_names)
     cache = np.zeros(shape, np.float32)
     out = np.zeros((batch, length + new_tokens), np.int32)
     out[:, :length] = ids
     step, at = ids.astype(np.int32), 0
     if runner.input_shapes["token_ids"][1] == 1:  # a step served one token at a time (JAX)
         for at in range(length - 1):  # the prompt but its last token fills the cache
-            _, cache = _run_step(runner, names, step[:, at : at + 1], cache, at)
+            _, cache = _run_step(runner, step[:, at : at + 1], cache, at)
         step, at = step[:, -1:], length - 1
     for filled in range(length, length + new_tokens):
-        logits, cache = _run_step(runner, names, step, cache, at)
+        logits, cache = _run_step(runner, step, cache, at)
         out[:, filled] = logits[:, -1].argmax(-1)
         step, at = out[:, filled : filled + 1], filled
     return out
 
 
 def _run_step(
-    runner: Runner, names: list[str], ids: np.ndarray, cache: np.ndarray, at: int
+    runner: Runner, ids: np.ndarray, cache: np.ndarray, at: int
 ) -> tuple[np.ndarray, np.ndarray]:
     index = np.full((len(ids),), at, np.int32)
     outputs = runner.run({"token_ids": ids, CACHE: cache, INDEX: index})
-    values = align_outputs([CACHE, LOGITS], names, outputs)  # served order: sorted names
+    values = align_outputs([CACHE, LOGITS], runner.output_names, outputs)  # sorted: served
     return values[LOGITS], values[CACHE]

@@ -44,10 +44,8 @@ def serving_function(model: keras.Model) -> Any:
     def serve(inputs: Any) -> dict[str, Any]:
         served = {}
         for name, tensor in output_items(model(inputs, training=False)):
-            if (
-                "float" in str(tensor.dtype)
-                and keras.backend.standardize_dtype(tensor.dtype) != "float32"
-            ):
+            dtype = keras.backend.standardize_dtype(tensor.dtype)
+            if "float" in dtype and dtype != "float32":
                 tensor = keras.ops.cast(tensor, "float32")
             served[name] = tensor
         return served
