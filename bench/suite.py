@@ -40,6 +40,7 @@ RESULT_NAMES = {
     "peers": "peers",
     "numerics": "numerics",
     "inference": "inference",
+    "generation": "serving_hub",
     "engines": "engines",
     "checkpoints": "checkpoints",
 }
@@ -121,6 +122,8 @@ def plan(args: argparse.Namespace) -> list[Part]:
                 argv += ["--quick", "--models", "digits_cnn,mlp,gpt"]
                 argv += ["--precisions", "float32,bfloat16,int8"]
             parts.append(Part(name, "inference.py", tuple(argv)))
+        elif name == "generation":  # KerasHub models served, generation from the export
+            parts.append(Part(name, "serving_hub.py", ("--quick",) if quick else ()))
         elif name == "engines":  # the digits CNN and the GPT on both engines, 2 processes
             parts.append(Part(name, "engines.py", ("--quick",) if quick else ()))
         elif name == "checkpoints":  # the GPT on 2 processes: step checkpoints, a signal
@@ -259,6 +262,7 @@ def summary_markdown(
         "states": "Weights, optimizer state and the step's peak per master-weights mode",
         "peers": "Peers, the limit, hosts and links",
         "numerics": "Numerics: accuracy per policy on real workloads",
+        "generation": "KerasHub models served, generation from the exported GPT",
     }
     for name, rec in records.items():
         lines += ["", f"## {titles.get(name, name)}", ""]

@@ -407,6 +407,7 @@ def judged_by_part(part: str):
 target_peers = judged_by_part("peers")
 target_numerics = judged_by_part("numerics")
 target_inference = judged_by_part("inference")
+target_generation = judged_by_part("generation")
 target_engines = judged_by_part("engines")
 target_states = judged_by_part("states")
 target_checkpoints = judged_by_part("checkpoints")
@@ -424,6 +425,7 @@ TARGETS = (
     target_gpu,
     target_numerics,
     target_inference,
+    target_generation,
     target_engines,
     target_checkpoints,
 )

@@ -72,6 +72,8 @@ def test_parse_only_defaults_aliases_and_order():
     assert bench_cmd.parse_only(None) == bench_cmd.PARTS
     assert bench_cmd.parse_only("memory, scaling") == ("allreduce", "memory")
     assert bench_cmd.parse_only("POLICIES,policy") == ("policies",)
+    assert bench_cmd.parse_only("inference") == ("inference", "generation")  # served models
+    assert bench_cmd.parse_only("generation") == ("generation",)
 
 
 @pytest.mark.parametrize("value", ["speed", ",", "memory,gpu"])
@@ -132,6 +134,7 @@ def test_plan_passes_the_options_to_each_script():
         "peers",
         "numerics",
         "inference",
+        "generation",
         "engines",
         "checkpoints",
     ]
@@ -141,10 +144,13 @@ def test_plan_passes_the_options_to_each_script():
     assert parts["peers"].argv == ()  # its own models and sizes (the digits CNN, wide_mlp)
     assert parts["numerics"].argv == ()  # its own workloads (digits, MNIST-1D, the GPT)
     assert parts["inference"].argv == ("--exports",)  # its own models, trained then served
+    assert parts["generation"].argv == ()  # its own KerasHub models
     for name, part in parts.items():
         scripts = {"states": "memory.py", "profile": "step_profile.py"}
+        scripts["generation"] = "serving_hub.py"
         assert (BENCH / part.script).name == scripts.get(name, f"{name}.py")
-        if name in ("states", "peers", "numerics", "inference", "engines", "checkpoints"):
+        own = ("states", "peers", "numerics", "inference", "generation", "engines")
+        if name in (*own, "checkpoints"):
             continue
         argv = list(part.argv)
         assert argv[argv.index("--steps") + 1] == "7"
@@ -514,6 +520,39 @@ def test_numerics_aggregates_seeds_and_judges_the_targets():
     assert "| mnist1d | mixed_float16 | 93 +- 1 | 92 - 94 | -1.00 points | 2, 2, 2 |" in md
 
 
+def test_serving_hub_judges_issue_57s_targets_from_its_rows():
+    hub = _load("serving_hub")
+
+    def export(model, fmt, agree, ratio):
+        return {"model": model, "format": fmt, "precision": "float16",
+                "top1_agreement": agree, "size_ratio": ratio}  # fmt: skip
+
+    def gen(kind, speed, same=True):
+        return {"how": kind, "kind": kind, "tokens_per_s": speed, "same_tokens": same}
+
+    result = {
+        "backend": "jax",
+        "exports": [export("bert", "onnx", 1.0, 0.509), export("gpt", "litert", 0.985, 0.6),
+                    export("bert", "saved_model", 1.0, None)],
+        "generation": [gen("keras", 100.0), gen("loop", 86.0), gen("step", 13.0, False)],
+        "int8": {"perplexity_diff": 0.0002, "speed_ratio": 0.61},
+    }  # fmt: skip
+    judged = {t["name"]: t for t in hub.targets(result)}
+    assert judged["serving, bert onnx float16 file size vs float32"]["met"] is True
+    assert judged["serving, gpt litert float16 top-1 agreement with float32"]["met"] is False
+    speed = judged["serving, generation from the exported GPT vs Keras generate, tokens/s"]
+    assert speed["value"] == 0.86 and speed["met"] is False and "jax2tf" in speed["why"]
+    assert "loop" in speed["measured"]  # the fastest exported path is named
+    same = judged["serving, exported greedy tokens identical to Keras generate's (32, float32)"]
+    assert same["met"] is False and same["measured"] == "1 of 2 paths"
+    assert judged["serving, int8 GPT perplexity vs float32"]["met"] is True
+    assert judged["serving, int8 GPT generate vs float32 on JAX, tokens/s"]["met"] is False
+    assert len(judged) == 7  # no size target for a GPT, none for a SavedModel
+    quick = {**result, "backend": "tensorflow", "exports": [], "int8": None,
+             "generation": result["generation"][:2]}  # fmt: skip
+    assert [t["met"] for t in hub.targets(quick)] == [False, True]
+
+
 def test_inference_judges_speed_quality_and_size_from_its_rows():
     inference = _load("inference")
 
@@ -821,7 +860,7 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
         assert fig["step_bytes"] > 0
     assert memory["policies"]["mixed_float16"]["activation_vs_float32"] < 1.0
     targets = {t["name"]: t for t in summary["targets"]}
-    assert len(targets) == 42
+    assert len(targets) == 44
     measured = [t for t in targets.values() if t["result"] != "not run"]
     # All but the GPU one, the two of the links and the best 16-bit policy's on the MLP and
     # the GPT (the quick policies part trains the CNN only); of the numerics, the
@@ -830,8 +869,9 @@ def test_kmp_bench_quick_writes_well_formed_results(tmp_path):
     # ResNet50's or MNIST-1D's) and both exports' sizes; the engines' on the digits CNN;
     # the five of the states part (state bytes, step peak, step times); the overhead
     # part's two (kmp vs Keras, the underflow reading vs the overflow-only rule); the
-    # checkpoints part's two (async cost, signal to checkpoint).
-    assert len(measured) == 28, [t["name"] for t in measured]
+    # checkpoints part's two (async cost, signal to checkpoint); the generation part's two
+    # (the exported loop's speed against Keras generate, its tokens).
+    assert len(measured) == 30, [t["name"] for t in measured]
     peers = json.loads((out / summary["parts"]["peers"]["result_file"]).read_text())
     jobs = peers["local"]["jobs"]
     assert not peers["local"]["errors"]

@@ -325,6 +325,13 @@ def test_compare_measures_on_known_numbers():
     assert np.allclose(log_probabilities(probs), np.log(0.25))  # read as probabilities
     with pytest.raises(ValueError, match=r"no classes"):
         compare(np.ones((3, 1)), np.ones((3, 1)), labels=[0, 0, 0])
+    ids = np.array([[5, 9, 2, 0], [1, 1, 1, 1]], np.int32)  # token ids: equal or not
+    c = compare(ids, np.where(ids == 9, 3, ids))
+    assert c.identical == 7 / 8 and c.top1_agreement is None and c.max_abs_diff == 6
+    assert compare(ids > 1, ids > 1).identical == 1.0  # a mask
+    assert compare(ref, got).identical is None  # floats: measured by differences
+    with pytest.raises(ValueError, match=r"no classes"):
+        compare(ids, ids, labels=[0, 1])  # ids are no classes
 
 
 def test_blame_finds_the_innermost_layer():

@@ -91,7 +91,8 @@ STEP_CHILD = textwrap.dedent(
     """
     import json, sys
     import keras, keras_hub, numpy as np
-    from kmp.exporting import cached_step, export, greedy_cached, open_runner
+    from kmp.exporting import (
+        cached_step, export, greedy, greedy_cached, greedy_loop, open_runner)
 
     keras.utils.set_random_seed(1)
     backbone = keras_hub.models.GPT2Backbone(
@@ -109,8 +110,14 @@ STEP_CHILD = textwrap.dedent(
     r = export(step, sys.argv[1] + "/step", "saved_model", sample=one, verbose=False)
     runner = open_runner(sys.argv[1] + "/step")
     tokens = greedy_cached(runner, prompt, 32)
+    window = {"token_ids": ids, "padding_mask": mask.astype("int32")}
+    loop = export(greedy_loop(gpt), sys.argv[1] + "/loop", "saved_model", sample=window,
+                  verbose=False)
+    looped = greedy(open_runner(sys.argv[1] + "/loop"), prompt, 32)
     print("RESULT " + json.dumps({
         "same": bool((tokens == np.asarray(ref["token_ids"])).all()),
+        "loop_same": bool((looped == np.asarray(ref["token_ids"])).all()),
+        "loop_identical": loop.identical,
         "served": {k: list(v) for k, v in runner.input_shapes.items()},
         "max_abs_diff": r.max_abs_diff}))
     """
@@ -118,8 +125,9 @@ STEP_CHILD = textwrap.dedent(
 
 
 @needs_hub
-def test_a_kerashub_cached_step_exported_from_jax_generates_kerass_tokens(tmp_path):
+def test_a_kerashub_step_and_loop_exported_from_jax_generate_kerass_tokens(tmp_path):
     out = _on_jax(STEP_CHILD, tmp_path)
     assert out["served"]["token_ids"] == [None, 1]  # JAX: the sample's length, one token
     assert out["max_abs_diff"] < 1e-4
     assert out["same"]  # the prompt fed token by token, then 32 greedy tokens: Keras's
+    assert out["loop_identical"] == 1.0 and out["loop_same"]  # the loop in TensorFlow

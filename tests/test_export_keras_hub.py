@@ -152,7 +152,7 @@ def test_greedy_from_the_exported_task_is_kerass_generate(gpt32, prompt, keras_t
 
 @pytest.mark.parametrize("fmt", ["saved_model", "litert"])
 def test_the_cached_step_generates_kerass_tokens(gpt32, prompt, keras_tokens, fmt, tmp_path):
-    from kmp.exporting.generation import cached_step, greedy_cached
+    from kmp.exporting import cached_step, greedy_cached
     from kmp.exporting.runners import open_runner
 
     step = cached_step(gpt32, PROMPT + NEW)
@@ -172,8 +172,50 @@ def test_the_cached_step_generates_kerass_tokens(gpt32, prompt, keras_tokens, fm
         greedy_cached(runner, prompt, NEW + 1)  # the runtime would clamp: wrong tokens
 
 
+@pytest.mark.parametrize("fmt", ["saved_model", "litert"])
+def test_the_exported_loop_generates_kerass_tokens_in_one_run(
+    gpt32, prompt, keras_tokens, fmt, tmp_path
+):
+    from kmp.exporting import greedy, greedy_loop, open_runner
+
+    loop = greedy_loop(gpt32)  # Keras's generate: cache and loop, run by the runtime
+    window = np.zeros((len(prompt), PROMPT + NEW), "int32")
+    window[:, :PROMPT] = prompt
+    mask = np.zeros_like(window)
+    mask[:, :PROMPT] = 1
+    sample = {"token_ids": window, "padding_mask": mask}
+    path = tmp_path / ("loop.tflite" if fmt == "litert" else "loop")
+    result = export(loop, path, fmt, sample=sample, verbose=False)
+    assert set(result.outputs) == {"padding_mask", "token_ids"}
+    assert result.identical == 1.0 and result.top1_agreement is None  # ids: equal or not
+    assert result.output_dtype == "int32"
+    runner = open_runner(path)
+    assert np.array_equal(greedy(runner, prompt, NEW), keras_tokens)
+
+
+def test_the_loop_stops_where_generate_does_and_saves(gpt32, prompt, keras_tokens):
+    from kmp.exporting import greedy_loop
+
+    stop = int(keras_tokens[0, PROMPT + 3])  # row 0's fourth new token
+    window = np.zeros((len(prompt), PROMPT + NEW), "int32")
+    window[:, :PROMPT] = prompt
+    mask = np.zeros_like(window)
+    mask[:, :PROMPT] = 1
+    loop = greedy_loop(gpt32, stop_token_ids=[stop])
+    got = loop.predict_on_batch({"token_ids": window, "padding_mask": mask})
+    want = gpt32.generate({"token_ids": window, "padding_mask": mask.astype(bool)},
+                          stop_token_ids=[stop])  # fmt: skip
+    assert np.array_equal(got["padding_mask"], np.asarray(want["padding_mask"], "int32"))
+    first = PROMPT + list(keras_tokens[0, PROMPT:]).index(stop)  # its first new stop
+    assert got["padding_mask"][0].sum() == first + 1 < PROMPT + NEW  # up to and with it
+    kept = got["padding_mask"] == 1
+    assert np.array_equal(got["token_ids"][kept], np.asarray(want["token_ids"])[kept])
+    again = keras.Model.from_config(loop.get_config())  # as kmp.export reloads it in 16 bits
+    assert again.get_layer("greedy_loop").stop_token_ids == (stop,)
+
+
 def test_generation_says_what_cannot_be_done(gpt32, bert, prompt, tmp_path):
-    from kmp.exporting.generation import cached_step, greedy, greedy_cached
+    from kmp.exporting import cached_step, greedy, greedy_cached, greedy_loop
     from kmp.exporting.runners import open_runner
 
     step = cached_step(gpt32, PROMPT + NEW)
@@ -188,6 +230,12 @@ def test_generation_says_what_cannot_be_done(gpt32, bert, prompt, tmp_path):
         export(step, tmp_path / "step.onnx", "onnx", sample=sample, verbose=False)
     with pytest.raises(TypeError, match=r"needs a KerasHub causal LM .*BertTextClassifier"):
         cached_step(bert, 8)
+    with pytest.raises(TypeError, match=r"greedy_loop needs a KerasHub causal LM"):
+        greedy_loop(bert)
+    with pytest.raises(TypeError, match=r"stop_token_ids must be a list of token ids"):
+        greedy_loop(gpt32, stop_token_ids="0")
+    with pytest.raises(ValueError, match=r"stop_token_ids"):
+        greedy_loop(gpt32, stop_token_ids=[-1])
     ids = np.zeros((2, 8), "int32")
     clf = {"token_ids": ids, "segment_ids": ids, "padding_mask": ids + 1}
     export(bert, tmp_path / "bert.onnx", "onnx", sample=clf, verbose=False)
@@ -198,3 +246,12 @@ def test_generation_says_what_cannot_be_done(gpt32, bert, prompt, tmp_path):
         greedy(runner, prompt + 0.5, 2)
     with pytest.raises(ValueError, match=r"not an exported model"):
         open_runner(tmp_path / "model.keras")
+
+
+def test_served_form_tells_the_exported_decoders_apart():
+    from kmp.exporting.generation import served_form
+
+    assert served_form(["padding_mask", "token_ids"], ["padding_mask", "token_ids"]) == "loop"
+    assert served_form(["index", "kv_cache", "token_ids"], ["kv_cache", "logits"]) == "step"
+    assert served_form(["padding_mask", "token_ids"], ["output_0"]) == "task"
+    assert served_form(["inputs"], ["output_0"]) == "task"

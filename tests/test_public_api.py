@@ -148,6 +148,7 @@ FACES: dict[str, set[str]] = {
         "export",
         "greedy",
         "greedy_cached",
+        "greedy_loop",
         "open_runner",
         "plan_export",
     },

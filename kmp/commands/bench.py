@@ -37,7 +37,12 @@ started as a child process of this one):
 * ``inference``: latency and throughput of serving the trained digits CNN, MNIST-1D CNN,
   a Dense-heavy MLP, the GPT (tokens/s of generation) and ResNet50 in float32, bfloat16,
   float16, mixed_bfloat16 and int8 and through each ``kmp.export`` runtime, beside their
-  accuracy or perplexity (``bench/inference.py``);
+  accuracy or perplexity (``bench/inference.py``); ``--only inference`` runs
+  ``generation`` with it;
+* ``generation``: KerasHub models served: a BERT classifier's and a GPT-2's 16-bit
+  exports against float32, greedy generation from the exported GPT (its loop, its
+  cached step, the task) beside Keras's ``generate``, int8 perplexity and speed
+  (``bench/serving_hub.py``; ``--quick``: a tiny GPT, the SavedModel loop only);
 * ``engines``: the digits CNN and the byte-level GPT on 2 processes under each policy, on
   the Horovod engine, the JAX engine with kmp's step and with Keras's own
   (``bench/engines.py``; ``--quick``: the digits CNN, float32, 1 epoch, two engines);
@@ -67,12 +72,14 @@ from types import ModuleType
 
 from kmp.commands import command_main
 
-__all__ = ["ALIASES", "MODELS", "PARTS", "configure", "find_bench_dir", "main", "run"]
+__all__ = ["ALIASES", "MODELS", "PARTS", "WITH", "configure", "find_bench_dir", "main", "run"]
 
 PARTS = ("policies", "profile", "overhead", "allreduce", "memory", "states")
-PARTS += ("peers", "numerics", "inference", "engines", "checkpoints")
+PARTS += ("peers", "numerics", "inference", "generation", "engines", "checkpoints")
 # Other names accepted by --only, and the part that measures them.
 ALIASES = {"scaling": "allreduce", "weak_scaling": "allreduce", "policy": "policies"}
+# Parts that --only NAME runs with NAME.
+WITH = {"inference": ("generation",)}
 # The models of bench/models.py, repeated so that the parser needs no import of bench/.
 MODELS = ("digits_cnn", "cnn", "mlp", "wide_mlp", "resnet50")
 
@@ -142,7 +149,7 @@ def parse_only(value: str | None) -> tuple[str, ...]:
                 f"--only: unknown part {name!r}; choose from {', '.join(PARTS)} "
                 "(scaling = allreduce)."
             )
-        chosen.add(part)
+        chosen.update((part, *WITH.get(part, ())))
     return tuple(p for p in PARTS if p in chosen)
 
 

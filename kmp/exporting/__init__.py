@@ -13,8 +13,9 @@ mixed policy exports as it is: the reference and the exported weights come from 
 copy (or, for a 16-bit SavedModel, a copy loaded in that precision by
 :func:`kmp.load_model`). Several named inputs and outputs (a KerasHub task's dict) are
 served by name. :func:`open_runner` opens a written file in its runtime;
-:func:`greedy` and :func:`greedy_cached` generate from an exported causal LM (the task,
-or its :func:`cached_step`). docs/exporting.md is the guide.
+:func:`greedy` generates from an exported causal LM: the task, its :func:`cached_step`
+(also :func:`greedy_cached`), or its whole decoding loop, :func:`greedy_loop`.
+docs/exporting.md is the guide.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from __future__ import annotations
 from kmp.exporting.export_plan import ExportPlan, plan_export
 from kmp.exporting.export_result import ExportResult
 from kmp.exporting.exporter import export
-from kmp.exporting.generation import cached_step, greedy, greedy_cached
+from kmp.exporting.generation import greedy, greedy_cached
+from kmp.exporting.generation_models import cached_step, greedy_loop
 from kmp.exporting.runners import open_runner
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "export",
     "greedy",
     "greedy_cached",
+    "greedy_loop",
     "open_runner",
     "plan_export",
 ]

@@ -8,8 +8,10 @@ defined once and testable on made-up numbers:
   floor being 1e-3 of the largest ``|keras|``: outputs a thousand times smaller than the
   largest (a softmax's near-zero probabilities) count by their absolute difference against
   that floor, not by a ratio of two roundings;
-* **top-1 agreement** (an output with classes on its last axis, two or more): the share of
-  rows (tokens, for a language model) whose highest class is the same;
+* **top-1 agreement** (a float output with classes on its last axis, two or more): the
+  share of rows (tokens, for a language model) whose highest class is the same;
+* **identical values** (an integer or boolean output: token ids, masks): the share of
+  values that are equal;
 * with labels, a classifier's (rank 2) **accuracy** of both, and a language model's
   (rank 3, ``[batch, sequence, vocabulary]``) **perplexity** of the labels under both and
   its **relative difference** ``|exported - keras| / keras``. Outputs that are
@@ -40,6 +42,7 @@ class Comparison:
     max_abs_diff: float
     max_rel_diff: float
     top1_agreement: float | None = None
+    identical: float | None = None
     accuracy: float | None = None
     float32_accuracy: float | None = None
     perplexity: float | None = None
@@ -77,6 +80,7 @@ def compare(reference: Any, exported: Any, labels: Any = None) -> Comparison:
     Raises:
         ValueError: The shapes differ, or ``labels`` do not fit the outputs.
     """
+    exact = np.asarray(reference).dtype.kind in "biu"  # ids and masks: equal or not
     ref = np.asarray(reference, dtype=np.float64)
     got = np.asarray(exported, dtype=np.float64)
     if ref.shape != got.shape:
@@ -93,15 +97,18 @@ def compare(reference: Any, exported: Any, labels: Any = None) -> Comparison:
         "max_abs_diff": float(diff.max()) if diff.size else 0.0,
         "max_rel_diff": float(rel.max()) if rel.size else 0.0,
     }
-    if has_classes(ref):
+    if exact:
+        fields["identical"] = float((ref == got).mean()) if ref.size else 1.0
+    if has_classes(ref) and not exact:
         same = ref.argmax(axis=-1) == got.argmax(axis=-1)
         fields["top1_agreement"] = float(same.mean())
         if labels is not None:
             fields.update(_labelled(ref, got, labels))
     elif labels is not None:
         raise ValueError(
-            f"kmp.export: labels were given, but the outputs (shape {ref.shape}) have no "
-            "classes on their last axis: labels measure a classifier's accuracy or a "
-            "language model's perplexity. Leave labels out for other models."
+            f"kmp.export: labels were given, but the outputs (shape {ref.shape}, "
+            f"{np.asarray(reference).dtype}) hold no classes on their last axis: labels "
+            "measure a classifier's accuracy or a language model's perplexity. Leave "
+            "labels out for other models."
         )
     return Comparison(**fields)

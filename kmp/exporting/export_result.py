@@ -61,6 +61,7 @@ class ExportResult:
         max_rel_diff: Largest relative output difference (see
             :mod:`kmp.exporting.comparison` for its floor).
         top1_agreement: Share of rows (tokens) whose highest class agrees.
+        identical: Share of equal values (an integer output: token ids, masks).
         accuracy: The file's accuracy on the labels (classifiers).
         float32_accuracy: Float32 Keras's accuracy on them.
         perplexity: The labels' perplexity under the file (language models).
@@ -85,6 +86,7 @@ class ExportResult:
     max_abs_diff = _Measured()
     max_rel_diff = _Measured()
     top1_agreement = _Measured()
+    identical = _Measured()
     accuracy = _Measured()
     float32_accuracy = _Measured()
     perplexity = _Measured()
@@ -135,6 +137,8 @@ class ExportResult:
         ]
         if self.top1_agreement is not None:
             rows.append(("top-1 agreement", _pct(self.top1_agreement)))
+        if self.identical is not None:
+            rows.append(("identical values", _pct(self.identical)))
         if self.accuracy is not None:
             rows.append(
                 ("accuracy", f"{_pct(self.accuracy)}  (float32 Keras: "
@@ -149,6 +153,8 @@ class ExportResult:
         if several:
             for name, c in list(self.outputs.items())[1:]:
                 agree = "" if c.top1_agreement is None else f", top-1 {_pct(c.top1_agreement)}"
+                if c.identical is not None:
+                    agree += f", identical {_pct(c.identical)}"
                 rows.append(
                     (f"output {name!r}", f"abs. {c.max_abs_diff:.3g}, rel. {c.max_rel_diff:.3g}"
                      f"{agree}")
