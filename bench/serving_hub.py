@@ -49,11 +49,7 @@ SUFFIX = {"onnx": ".onnx", "litert": ".tflite", "saved_model": ""}
 MODULES = ("argparse.py", "inspect.py", "typing.py")  # the classifier's three classes
 
 
-REPEATS = [5]  # 1 under --quick
-
-
-def _median(fn, repeats: int | None = None) -> float:
-    repeats = repeats or REPEATS[0]
+def _median(fn, repeats: int = 5) -> float:
     fn()  # compile / plan once
     times = []
     for _ in range(repeats):
@@ -184,9 +180,9 @@ def generation_part(gpt32, prompt: np.ndarray, folder: str, backend: str, quick:
 
     gpt32.compile(sampler="greedy")
     reference = keras_generate(gpt32, prompt)
-    tokens = len(prompt) * NEW
+    tokens, repeats = len(prompt) * NEW, 1 if quick else 5
     rows = [{"how": "Keras generate (cache, compiled loop)", "format": "keras", "kind": "keras",
-             "tokens_per_s": tokens / _median(lambda: keras_generate(gpt32, prompt)),
+             "tokens_per_s": tokens / _median(lambda: keras_generate(gpt32, prompt), repeats),
              "same_tokens": True}]  # fmt: skip
     window = np.zeros((len(prompt), PROMPT + NEW), "int32")
     window[:, :PROMPT] = prompt
@@ -215,7 +211,7 @@ def generation_part(gpt32, prompt: np.ndarray, folder: str, backend: str, quick:
         decode = lambda r=runner: greedy(r, prompt, NEW)  # noqa: E731
         got = decode()
         rows.append({"how": f"{fmt} file: {how[kind]}", "format": fmt, "kind": kind,
-                     "tokens_per_s": tokens / _median(decode),
+                     "tokens_per_s": tokens / _median(decode, repeats),
                      "same_tokens": bool(np.array_equal(got, reference))})  # fmt: skip
         print(rows[-1], flush=True)
     return rows
@@ -389,8 +385,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny run: figures mean nothing")
     quick = parser.parse_args(argv).quick
-    if quick:
-        REPEATS[0] = 1
     backend = keras.backend.backend()
     rng = np.random.default_rng(0)
     bert_data, (lm_train, lm_held) = text_windows(rng)

@@ -379,7 +379,7 @@ def part_target(
     }
 
 
-def judged_by_part(part: str):
+def judged_by_part(part: str, results: str | None = None, guide: str = "docs/performance.md"):
     """Return the target function for a part that judges its own targets (peers, numerics).
 
     Such a part writes ``targets`` (name, goal, value, met, measured, optional why) into its
@@ -395,7 +395,7 @@ def judged_by_part(part: str):
             if target.passed is not None:
                 target.measured = f"{t['value']} ({t['measured']})"
             if target.passed is False:
-                why = t.get("why") or f"see {part}.md and docs/performance.md."
+                why = t.get("why") or f"see {results or part}.md and {guide}."
                 target.why = why + _load_note(res)
             out.append(target)
         return out
@@ -407,9 +407,9 @@ def judged_by_part(part: str):
 target_peers = judged_by_part("peers")
 target_numerics = judged_by_part("numerics")
 target_inference = judged_by_part("inference")
-target_generation = judged_by_part("generation")
+target_generation = judged_by_part("generation", "serving_hub", "docs/exporting.md")
 target_engines = judged_by_part("engines")
-target_states = judged_by_part("states")
+target_states = judged_by_part("states", "memory_states")
 target_checkpoints = judged_by_part("checkpoints")
 
 

@@ -117,7 +117,7 @@ STEP_CHILD = textwrap.dedent(
     print("RESULT " + json.dumps({
         "same": bool((tokens == np.asarray(ref["token_ids"])).all()),
         "loop_same": bool((looped == np.asarray(ref["token_ids"])).all()),
-        "loop_identical": loop.identical,
+        "loop_identical": loop.outputs["token_ids"].identical,
         "served": {k: list(v) for k, v in runner.input_shapes.items()},
         "max_abs_diff": r.max_abs_diff}))
     """

@@ -172,6 +172,30 @@ def test_the_cached_step_generates_kerass_tokens(gpt32, prompt, keras_tokens, fm
         greedy_cached(runner, prompt, NEW + 1)  # the runtime would clamp: wrong tokens
 
 
+def _window(prompt: np.ndarray) -> dict:
+    """The prompt and room for NEW tokens, the mask marking the prompt: a loop's input."""
+    window = np.zeros((len(prompt), PROMPT + NEW), "int32")
+    window[:, :PROMPT] = prompt
+    mask = np.zeros_like(window)
+    mask[:, :PROMPT] = 1
+    return {"token_ids": window, "padding_mask": mask}
+
+
+class _LoopFile:
+    """An exported loop as a runner serves it (a window of ``length``, None: free), run by
+    the Keras loop itself: what kmp.exporting.greedy makes of a file's outputs."""
+
+    def __init__(self, loop: keras.Model, length: int | None = None) -> None:
+        self.loop, self.fed = loop, []
+        self.input_names = self.output_names = ["padding_mask", "token_ids"]
+        self.input_shapes = {name: (None, length) for name in self.input_names}
+
+    def run(self, feed: dict) -> list:
+        self.fed.append(feed["token_ids"].shape)
+        out = self.loop.predict_on_batch(feed)
+        return [out["padding_mask"], out["token_ids"]]
+
+
 @pytest.mark.parametrize("fmt", ["saved_model", "litert"])
 def test_the_exported_loop_generates_kerass_tokens_in_one_run(
     gpt32, prompt, keras_tokens, fmt, tmp_path
@@ -179,37 +203,42 @@ def test_the_exported_loop_generates_kerass_tokens_in_one_run(
     from kmp.exporting import greedy, greedy_loop, open_runner
 
     loop = greedy_loop(gpt32)  # Keras's generate: cache and loop, run by the runtime
-    window = np.zeros((len(prompt), PROMPT + NEW), "int32")
-    window[:, :PROMPT] = prompt
-    mask = np.zeros_like(window)
-    mask[:, :PROMPT] = 1
-    sample = {"token_ids": window, "padding_mask": mask}
     path = tmp_path / ("loop.tflite" if fmt == "litert" else "loop")
-    result = export(loop, path, fmt, sample=sample, verbose=False)
+    result = export(loop, path, fmt, sample=_window(prompt), verbose=False)
     assert set(result.outputs) == {"padding_mask", "token_ids"}
-    assert result.identical == 1.0 and result.top1_agreement is None  # ids: equal or not
+    tokens = result.outputs["token_ids"]
+    assert tokens.identical == 1.0 and tokens.top1_agreement is None  # ids: equal or not
     assert result.output_dtype == "int32"
     runner = open_runner(path)
     assert np.array_equal(greedy(runner, prompt, NEW), keras_tokens)
 
 
-def test_the_loop_stops_where_generate_does_and_saves(gpt32, prompt, keras_tokens):
-    from kmp.exporting import greedy_loop
+def test_the_loop_is_greedy_stops_where_generate_does_and_saves(gpt32, prompt, keras_tokens):
+    from kmp.exporting import greedy, greedy_loop
 
     stop = int(keras_tokens[0, PROMPT + 3])  # row 0's fourth new token
-    window = np.zeros((len(prompt), PROMPT + NEW), "int32")
-    window[:, :PROMPT] = prompt
-    mask = np.zeros_like(window)
-    mask[:, :PROMPT] = 1
-    loop = greedy_loop(gpt32, stop_token_ids=[stop])
-    got = loop.predict_on_batch({"token_ids": window, "padding_mask": mask})
-    want = gpt32.generate({"token_ids": window, "padding_mask": mask.astype(bool)},
-                          stop_token_ids=[stop])  # fmt: skip
-    assert np.array_equal(got["padding_mask"], np.asarray(want["padding_mask"], "int32"))
+    gpt32.compile(sampler="top_k")  # the loop decodes greedily whatever the task's sampler
+    try:
+        loop = greedy_loop(gpt32, stop_token_ids=np.array([stop]))
+        served = _LoopFile(loop, length=PROMPT + NEW + 8)  # a longer fixed window (JAX)
+        tokens = greedy(served, prompt, NEW)
+        assert type(gpt32.sampler).__name__ == "TopKSampler"  # the task's, put back
+    finally:
+        gpt32.compile(sampler="greedy")
+    assert served.fed == [(4, PROMPT + NEW + 8)]  # padded to the served window, one run
+    want = gpt32.generate(
+        {
+            "token_ids": _window(prompt)["token_ids"],
+            "padding_mask": _window(prompt)["padding_mask"] > 0,
+        },
+        stop_token_ids=[stop],
+    )
+    kept = np.asarray(want["padding_mask"])
+    assert np.array_equal(tokens, np.where(kept, np.asarray(want["token_ids"]), 0))
     first = PROMPT + list(keras_tokens[0, PROMPT:]).index(stop)  # its first new stop
-    assert got["padding_mask"][0].sum() == first + 1 < PROMPT + NEW  # up to and with it
-    kept = got["padding_mask"] == 1
-    assert np.array_equal(got["token_ids"][kept], np.asarray(want["token_ids"])[kept])
+    assert tokens[0, first] == stop and not tokens[0, first + 1 :].any()  # 0 after it
+    with pytest.raises(ValueError, match=r"serves a window of 40 tokens, fewer than the 48"):
+        greedy(_LoopFile(loop, length=40), prompt, NEW)
     again = keras.Model.from_config(loop.get_config())  # as kmp.export reloads it in 16 bits
     assert again.get_layer("greedy_loop").stop_token_ids == (stop,)
 
@@ -236,6 +265,11 @@ def test_generation_says_what_cannot_be_done(gpt32, bert, prompt, tmp_path):
         greedy_loop(gpt32, stop_token_ids="0")
     with pytest.raises(ValueError, match=r"stop_token_ids"):
         greedy_loop(gpt32, stop_token_ids=[-1])
+    with pytest.raises(ValueError, match=r"stop_token_ids is empty; pass None"):
+        greedy_loop(gpt32, stop_token_ids=[])
+    with pytest.raises(ValueError, match=r"(?s)XlaDynamicUpdateSlice.*format='saved_model'"):
+        export(greedy_loop(gpt32), tmp_path / "loop.onnx", "onnx", sample=_window(prompt))
+    assert not (tmp_path / "loop.onnx").exists()
     ids = np.zeros((2, 8), "int32")
     clf = {"token_ids": ids, "segment_ids": ids, "padding_mask": ids + 1}
     export(bert, tmp_path / "bert.onnx", "onnx", sample=clf, verbose=False)

@@ -39,8 +39,9 @@ class ExportResult:
 
     The measures are those of :mod:`kmp.exporting.comparison`, from running the file in
     its own runtime on the inputs given to :func:`kmp.export`; they are None when the
-    export was not verified or the measure does not apply (top-1 agreement needs classes
-    on the outputs' last axis; accuracy and perplexity need labels).
+    export was not verified or the measure does not apply (top-1 agreement needs float
+    outputs with classes on the last axis, identical values integer outputs; accuracy and
+    perplexity need labels).
 
     Attributes:
         path: The file, or the SavedModel folder.

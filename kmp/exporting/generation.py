@@ -22,17 +22,24 @@ docs/exporting.md measures them against Keras's ``generate``.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import numpy as np
 
 from kmp._checks import check_int
-from kmp.exporting.generation_models import CACHE, INDEX, LOGITS, PADDING_MASK, TOKEN_IDS
+from kmp.exporting.generation_models import (
+    CACHE,
+    CACHE_LENGTH_AXIS,
+    INDEX,
+    LOGITS,
+    PADDING_MASK,
+    TOKEN_IDS,
+)
 from kmp.exporting.signature import Runner, align_outputs
 
 __all__ = ["greedy", "greedy_cached", "served_form"]
 
-# KerasHub's causal LMs lay their cache out [batch, layers, 2 (key, value), length, heads,
-# head size] (GPT-2, Gemma, Llama, Mistral): the sequence is its axis 3.
-CACHE_LENGTH_AXIS = 3
+Form = Literal["loop", "step", "task"]
 
 
 def _prompt(prompt: object) -> np.ndarray:
@@ -58,7 +65,7 @@ def _prompt(prompt: object) -> np.ndarray:
     return ids
 
 
-def served_form(input_names: list[str], output_names: list[str]) -> str:
+def served_form(input_names: list[str], output_names: list[str]) -> Form:
     """Which decoding model an exported file serves, from its served names.
 
     Args:
@@ -112,12 +119,14 @@ def greedy(
 
     Returns:
         ``[batch, length + new_tokens]`` int32 ids: the prompt, then the new tokens. A loop
-        exported with stop tokens leaves 0 after a row's stop token.
+        exported with stop tokens leaves 0 after a row's stop token (0 may be a real id:
+        run the file yourself for its ``padding_mask`` where that matters).
 
     Raises:
         TypeError: ``prompt`` is not array-like, or ``new_tokens`` not an int.
         ValueError: The prompt is empty or not integers, ``new_tokens`` is not positive,
-            or the model serves no ``token_ids`` input.
+            the model serves no ``token_ids`` input, or the tokens do not fit the exported
+            loop's window or cache.
     """
     ids = _prompt(prompt)
     new_tokens = check_int("new_tokens", new_tokens)
@@ -126,9 +135,7 @@ def greedy(
         return greedy_cached(runner, ids, new_tokens)
     window, mask = _window(ids, new_tokens)
     if form == "loop":
-        outputs = runner.run({TOKEN_IDS: window, PADDING_MASK: mask})
-        got = align_outputs([PADDING_MASK, TOKEN_IDS], runner.output_names, outputs)  # sorted
-        return np.where(got[PADDING_MASK] != 0, got[TOKEN_IDS], 0).astype(np.int32)
+        return _run_loop(runner, window, mask)
     if token_ids not in runner.input_names:
         raise ValueError(
             f"kmp.exporting.greedy: the exported model serves {runner.input_names}, no "
@@ -142,6 +149,29 @@ def greedy(
         window[:, filled] = logits[:, filled - 1].argmax(-1)
         mask[:, filled] = 1
     return window
+
+
+def _run_loop(runner: Runner, window: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """One run of an exported loop over ``window``, padded to the length it serves, if fixed.
+
+    A causal model's tokens never depend on the positions after them, so a longer served
+    window gives the same tokens; a shorter one cannot hold them.
+    """
+    length, served = window.shape[1], runner.input_shapes[TOKEN_IDS][1]
+    if served is not None and served < length:
+        raise ValueError(
+            f"kmp.exporting.greedy: the exported loop serves a window of {served} tokens, "
+            f"fewer than the {length} asked for (prompt and new tokens); export greedy_loop "
+            f"with a sample of {length} tokens or more (under JAX the sample fixes it), or "
+            "ask for fewer."
+        )
+    pad = 0 if served is None else served - length
+    feed = {
+        TOKEN_IDS: np.pad(window, ((0, 0), (0, pad))),
+        PADDING_MASK: np.pad(mask, ((0, 0), (0, pad))),
+    }
+    got = align_outputs([PADDING_MASK, TOKEN_IDS], runner.output_names, runner.run(feed))
+    return np.where(got[PADDING_MASK] != 0, got[TOKEN_IDS], 0)[:, :length].astype(np.int32)
 
 
 def _served_cache_shape(runner: Runner, batch: int) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ kmp.export names the layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,6 +31,9 @@ __all__ = ["CachedStep", "GreedyLoop", "cache_shape", "cached_step", "greedy_loo
 # The served names.
 TOKEN_IDS, PADDING_MASK = "token_ids", "padding_mask"
 CACHE, INDEX, LOGITS = "kv_cache", "index", "logits"
+# KerasHub's causal LMs lay their cache out [batch, layers, 2 (key, value), length, heads,
+# head size] (GPT-2, Gemma, Llama, Mistral): the sequence is its axis 3.
+CACHE_LENGTH_AXIS = 3
 
 
 def _check_causal_lm(task: Any, what: str, needs: str) -> None:
@@ -123,12 +126,19 @@ class GreedyLoop(_HoldsTask):
 def _stop_tokens(stop_token_ids: Any) -> tuple[int, ...] | None:
     if stop_token_ids is None:
         return None
-    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Sequence):
+    if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable):
         raise TypeError(
-            f"kmp.exporting.greedy_loop: stop_token_ids must be a list of token ids or None; "
-            f"got {type(stop_token_ids).__name__}."
+            f"kmp.exporting.greedy_loop: stop_token_ids must be a list of token ids, e.g. "
+            f"[50256], or None; got {type(stop_token_ids).__name__}."
         )
-    return tuple(check_int("stop_token_ids", t, minimum=0) for t in stop_token_ids)
+    stop = tuple(check_int("stop_token_ids", int(t) if hasattr(t, "dtype") else t, minimum=0)
+                 for t in stop_token_ids)  # fmt: skip
+    if not stop:
+        raise ValueError(
+            "kmp.exporting.greedy_loop: stop_token_ids is empty; pass None to fill every row, "
+            "or the ids that end one (an end-of-text token)."
+        )
+    return stop
 
 
 def greedy_loop(task: keras.Model, stop_token_ids: Sequence[int] | None = None) -> keras.Model:

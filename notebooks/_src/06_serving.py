@@ -19,8 +19,9 @@
 #    greedy generation loop to a SavedModel, and generates from the file.
 #
 # It runs on a laptop CPU in about a minute and downloads nothing (the digits ship inside
-# scikit-learn, the text is Python's own standard library). `kmp bench --only inference` is the same measurement on larger models
-# (ResNet50, a GPT); docs/serving.md has its figures.
+# scikit-learn, the text is Python's own standard library). `kmp bench --only inference`
+# is the same measurement on larger models (ResNet50, a GPT); docs/serving.md and
+# docs/exporting.md have its figures.
 
 # %%
 # Colab, or a kernel without kmp: install it first, from a clone of kmp's repository in ./kmp
