@@ -211,6 +211,12 @@ def test_the_exported_loop_generates_kerass_tokens_in_one_run(
     assert result.output_dtype == "int32"
     runner = open_runner(path)
     assert np.array_equal(greedy(runner, prompt, NEW), keras_tokens)
+    if fmt == "saved_model":  # the file serves the loop compiled by XLA
+        import tensorflow as tf
+
+        served = tf.saved_model.load(str(path)).signatures["serving_default"]
+        library = served.graph.as_graph_def().library.function
+        assert any(f.attr["_XlaMustCompile"].b for f in library)
 
 
 def test_the_loop_is_greedy_stops_where_generate_does_and_saves(gpt32, prompt, keras_tokens):
@@ -282,8 +288,14 @@ def test_generation_says_what_cannot_be_done(gpt32, bert, prompt, tmp_path):
         open_runner(tmp_path / "model.keras")
 
 
-def test_served_form_tells_the_exported_decoders_apart():
+def test_served_form_tells_the_exported_decoders_apart(gpt32):
+    from kmp.exporting import cached_step, greedy_loop
     from kmp.exporting.generation import served_form
+    from kmp.exporting.generation_models import compiled_when_served
+
+    # The decoding models' SavedModels serve their call compiled by XLA; the task does not.
+    assert compiled_when_served(greedy_loop(gpt32)) and compiled_when_served(cached_step(gpt32, 8))
+    assert not compiled_when_served(gpt32)
 
     assert served_form(["padding_mask", "token_ids"], ["padding_mask", "token_ids"]) == "loop"
     assert served_form(["index", "kv_cache", "token_ids"], ["kv_cache", "logits"]) == "step"

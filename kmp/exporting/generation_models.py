@@ -25,8 +25,16 @@ import keras
 
 from kmp._checks import check_int
 from kmp._keras_internals import compute_output_spec
+from kmp.layer_walk import sublayers
 
-__all__ = ["CachedStep", "GreedyLoop", "cache_shape", "cached_step", "greedy_loop"]
+__all__ = [
+    "CachedStep",
+    "GreedyLoop",
+    "cache_shape",
+    "cached_step",
+    "compiled_when_served",
+    "greedy_loop",
+]
 
 # The served names.
 TOKEN_IDS, PADDING_MASK = "token_ids", "padding_mask"
@@ -235,3 +243,20 @@ def cached_step(task: keras.Model, length: int) -> keras.Model:
     outputs = step(token_ids, kv_cache, index)
     inputs = {TOKEN_IDS: token_ids, CACHE: kv_cache, INDEX: index}
     return keras.Model(inputs, outputs, name=f"{task.name}_cached_step")
+
+
+def compiled_when_served(model: keras.Model) -> bool:
+    """Whether a SavedModel of ``model`` should serve its call compiled by XLA.
+
+    True for the decoding models above (:func:`greedy_loop`, :func:`cached_step`): XLA fuses
+    the loop's many small ops, which TensorFlow's graph executor runs one by one (the loop
+    served compiled made 5-7x Keras's own ``generate``, which TensorFlow runs uncompiled).
+    Other models are served as TensorFlow runs them, as they were verified.
+
+    Args:
+        model: The model to be exported.
+
+    Returns:
+        Whether it holds a :class:`GreedyLoop` or :class:`CachedStep` at its top level.
+    """
+    return any(isinstance(layer, (GreedyLoop, CachedStep)) for layer in sublayers(model))

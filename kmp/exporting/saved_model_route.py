@@ -22,6 +22,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from kmp.exporting.generation_models import compiled_when_served
 from kmp.exporting.signature import Runner, Signature, dtypes, output_items, tensor_specs
 
 __all__ = ["SIGNATURE", "SavedModelRunner", "serving_function", "write_saved_model"]
@@ -71,7 +72,8 @@ def write_saved_model(model: keras.Model, path: str, signature: Signature) -> No
     if keras.backend.backend() == "tensorflow":
         module = tf.Module()
         module.weights = [v.value for v in model.variables]  # the tf.Variables, each once
-        module.serve = tf.function(serve, input_signature=specs)
+        jit = compiled_when_served(model) or None  # a decoding loop: XLA, as Keras would
+        module.serve = tf.function(serve, input_signature=specs, jit_compile=jit)
         try:
             tf.saved_model.save(
                 module, path, signatures={SIGNATURE: module.serve.get_concrete_function()}
