@@ -130,11 +130,9 @@ def prompt(windows):
 @pytest.fixture(scope="module")
 def keras_tokens(gpt32, prompt):
     """Keras's own generate (its cache, its compiled loop): 32 greedy tokens."""
-    ids = np.zeros((len(prompt), PROMPT + NEW), "int32")
-    ids[:, :PROMPT] = prompt
-    mask = np.zeros_like(ids, dtype=bool)
-    mask[:, :PROMPT] = True
-    out = gpt32.generate({"token_ids": ids, "padding_mask": mask}, stop_token_ids=None)
+    window = _window(prompt)
+    window["padding_mask"] = window["padding_mask"] > 0
+    out = gpt32.generate(window, stop_token_ids=None)
     return np.asarray(out["token_ids"])
 
 
@@ -232,13 +230,9 @@ def test_the_loop_is_greedy_stops_where_generate_does_and_saves(gpt32, prompt, k
     finally:
         gpt32.compile(sampler="greedy")
     assert served.fed == [(4, PROMPT + NEW + 8)]  # padded to the served window, one run
-    want = gpt32.generate(
-        {
-            "token_ids": _window(prompt)["token_ids"],
-            "padding_mask": _window(prompt)["padding_mask"] > 0,
-        },
-        stop_token_ids=[stop],
-    )
+    window = _window(prompt)
+    window["padding_mask"] = window["padding_mask"] > 0
+    want = gpt32.generate(window, stop_token_ids=[stop])
     kept = np.asarray(want["padding_mask"])
     assert np.array_equal(tokens, np.where(kept, np.asarray(want["token_ids"]), 0))
     first = PROMPT + list(keras_tokens[0, PROMPT:]).index(stop)  # its first new stop

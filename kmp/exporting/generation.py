@@ -220,8 +220,7 @@ def greedy_cached(runner: Runner, prompt: object, new_tokens: int) -> np.ndarray
             f"cached_step(task, length={length + new_tokens}) or ask for fewer tokens."
         )
     cache = np.zeros(shape, np.float32)
-    out = np.zeros((batch, length + new_tokens), np.int32)
-    out[:, :length] = ids
+    out, _ = _window(ids, new_tokens)
     step, at = ids.astype(np.int32), 0
     if runner.input_shapes[TOKEN_IDS][1] == 1:  # a step served one token at a time (JAX)
         for at in range(length - 1):  # the prompt but its last token fills the cache

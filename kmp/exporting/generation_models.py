@@ -139,8 +139,7 @@ def _stop_tokens(stop_token_ids: Any) -> tuple[int, ...] | None:
             f"kmp.exporting.greedy_loop: stop_token_ids must be a list of token ids, e.g. "
             f"[50256], or None; got {type(stop_token_ids).__name__}."
         )
-    stop = tuple(check_int("stop_token_ids", int(t) if hasattr(t, "dtype") else t, minimum=0)
-                 for t in stop_token_ids)  # fmt: skip
+    stop = tuple(check_int("stop_token_ids", t, minimum=0) for t in stop_token_ids)
     if not stop:
         raise ValueError(
             "kmp.exporting.greedy_loop: stop_token_ids is empty; pass None to fill every row, "
